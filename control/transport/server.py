@@ -1,0 +1,715 @@
+"""The agent stream server: gRPC, Connect and WebSocket on one port, cleartext or TLS.
+
+We drive ``h2`` ourselves rather than serve through hypercorn: hypercorn 0.18's HTTP/2 code raises
+KeyError when a server ends a response while the client is still sending, and on the trio worker that
+takes the whole server down (pgjones/hypercorn#329). Here every connection runs in its own nursery and
+every stream's handler in its own cancel scope, so a peer that misbehaves costs only its own connection.
+
+One port serves three protocols, told apart by their first bytes (or by TLS ALPN):
+
+- the HTTP/2 connection preface: gRPC (``application/grpc``) or Connect (``application/connect+proto``)
+  streams on ``/llmgw.v1.AgentService/Connect``;
+- an HTTP/1.1 ``Upgrade: websocket`` request on ``/ws/llmgw.v1.AgentService/Connect``: the same envelopes
+  in binary WebSocket messages, for networks whose proxies speak only HTTP/1.1;
+- anything else is answered with a clear error (an HTTP/1.1 response or a GOAWAY with debug text) and
+  the connection closed; other connections do not notice.
+
+The handler sees a :class:`ServerStream` per stream: the authenticated peer (certificate subject and
+SANs), an async iterator of ``AgentMessage`` and a ``send`` for ``ControlMessage``. Returning ends the
+stream with OK; raising :class:`schema.rpc.RpcError` ends it with that status.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import socket
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import attrs
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+import trio
+import trio_websocket
+from h2.errors import ErrorCodes
+
+import schema
+from schema import framing
+from schema.h2io import H2Stream, H2Transport, StalledMessage, TransportError
+from schema.rpc import Code, RpcError, encode_connect_end_stream, encode_grpc_message
+
+log = logging.getLogger("llmgw.control.transport")
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HTTP1_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/1\.[01]\r?\n")
+_MAX_HTTP1_HEAD = 16 * 1024
+
+GRPC_CONTENT_TYPES = (b"application/grpc", b"application/grpc+proto")
+CONNECT_CONTENT_TYPE = b"application/connect+proto"
+
+
+@attrs.frozen
+class ServerTLS:
+    """Server certificate, and the CA that client certificates must chain to (mutual TLS)."""
+
+    certfile: Path
+    keyfile: Path
+    client_ca: Path | None = None
+    require_client_cert: bool = False
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(self.certfile), str(self.keyfile))
+        if self.client_ca is not None:
+            ctx.load_verify_locations(cafile=str(self.client_ca))
+            ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
+        elif self.require_client_cert:
+            raise ValueError("require_client_cert needs client_ca: the CA that signs node certificates")
+        # h2 for gRPC and Connect; http/1.1 for the WebSocket route.
+        ctx.set_alpn_protocols(["h2", "http/1.1"])
+        return ctx
+
+
+@attrs.frozen
+class ServerLimits:
+    """Bounds on what one peer can cost the server, and the timings of keepalive and shutdown."""
+
+    max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE
+    #: SETTINGS_MAX_CONCURRENT_STREAMS per connection (an agent needs one).
+    max_streams_per_connection: int = 8
+    #: Streams across all connections; beyond it new streams end with RESOURCE_EXHAUSTED.
+    max_streams: int = 100_000
+    #: Seconds between server PINGs on a connection, and how long an answer may take.
+    keepalive_interval: float = 30.0
+    keepalive_timeout: float = 10.0
+    #: A TLS handshake or a connection preface must complete within this many seconds.
+    handshake_timeout: float = 10.0
+    #: A message begun must be finished within this many seconds of its last byte.
+    stall_timeout: float = 30.0
+    #: Shutdown: after GOAWAY, streams get this long to end before they are ended with UNAVAILABLE.
+    shutdown_grace: float = 10.0
+
+
+@attrs.frozen
+class PeerIdentity:
+    """Who is on the other end: the socket address and, with TLS, the verified client certificate."""
+
+    address: str
+    common_name: str = ""
+    dns_names: tuple[str, ...] = ()
+    uris: tuple[str, ...] = ()
+    #: True when a client certificate was presented and verified against the configured CA.
+    verified: bool = False
+
+    def names(self) -> tuple[str, ...]:
+        """Every name the certificate vouches for: the subject CN, then the DNS and URI SANs."""
+        return tuple(n for n in (self.common_name, *self.dns_names, *self.uris) if n)
+
+
+def _identity(address: str, cert: dict[str, Any] | None) -> PeerIdentity:
+    if not cert:
+        return PeerIdentity(address)
+    cn = ""
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                cn = value
+    sans = cert.get("subjectAltName", ())
+    return PeerIdentity(
+        address,
+        common_name=cn,
+        dns_names=tuple(v for k, v in sans if k == "DNS"),
+        uris=tuple(v for k, v in sans if k == "URI"),
+        verified=True,
+    )
+
+
+def _format_address(stream: trio.abc.Stream) -> str:
+    sock_stream = stream
+    while isinstance(sock_stream, trio.SSLStream):
+        sock_stream = sock_stream.transport_stream
+    if isinstance(sock_stream, trio.SocketStream):
+        try:
+            host, port, *_ = sock_stream.socket.getpeername()
+            return f"{host}:{port}"
+        except OSError:
+            pass
+    return "?"
+
+
+class ServerStream:
+    """One agent stream as the handler sees it, whatever protocol carries it."""
+
+    protocol: str
+    peer: PeerIdentity
+    #: Request headers (lower-case names), e.g. ``authorization`` or ``x-llmgw-node``.
+    metadata: dict[str, str]
+
+    async def receive(self) -> schema.AgentMessage | None:
+        """The next message, or ``None`` once the agent half-closed its side cleanly."""
+        raise NotImplementedError
+
+    async def send(self, message: schema.ControlMessage) -> None:
+        raise NotImplementedError
+
+    async def __aiter__(self) -> AsyncIterator[schema.AgentMessage]:
+        while (message := await self.receive()) is not None:
+            yield message
+
+
+Handler = Callable[[ServerStream], Awaitable[None]]
+
+
+def _parse(payload: bytes) -> schema.AgentMessage:
+    try:
+        return schema.AgentMessage.parse(payload)
+    except Exception as exc:
+        raise RpcError(Code.INTERNAL, f"malformed AgentMessage ({len(payload)} bytes): {exc}") from exc
+
+
+class _H2ServerStream(H2Stream, ServerStream):
+    def __init__(
+        self,
+        server: StreamServer,
+        transport: H2Transport,
+        stream_id: int,
+        protocol: str,
+        peer: PeerIdentity,
+        metadata: dict[str, str],
+    ) -> None:
+        super().__init__(transport, stream_id, server.limits.max_message_size)
+        self.server = server
+        self.protocol = protocol
+        self.peer = peer
+        self.metadata = metadata
+        self.scope = trio.CancelScope()
+        self.finished = False
+
+    def on_reset(self, error: TransportError) -> None:
+        super().on_reset(error)
+        # The peer is gone: whatever the handler waits on, nothing it does can reach the peer now.
+        self.scope.cancel()
+
+    async def receive(self) -> schema.AgentMessage | None:
+        if self.finished:
+            return None
+        try:
+            env = await self.receive_envelope(self.server.limits.stall_timeout)
+        except framing.MessageTooLarge as exc:
+            await self._refuse(Code.RESOURCE_EXHAUSTED, str(exc))
+        except framing.FramingError as exc:
+            await self._refuse(Code.INTERNAL, f"malformed envelope: {exc}")
+        except StalledMessage as exc:
+            await self._refuse(Code.DEADLINE_EXCEEDED, str(exc))
+        if env is None:
+            return None
+        if env.compressed:
+            await self._refuse(
+                Code.UNIMPLEMENTED, "compressed message received; this server takes identity only"
+            )
+        if env.end_stream:
+            await self._refuse(Code.INTERNAL, "unexpected end-of-stream envelope from a client")
+        try:
+            return _parse(env.payload)
+        except RpcError as exc:
+            await self._refuse(exc.code, exc.message)
+
+    async def _refuse(self, code: Code, message: str) -> NoReturn:
+        log.warning("stream from %s ended: %s: %s", self.peer.address, code.name, message)
+        await self.finish(code, message)
+        raise RpcError(code, message)
+
+    async def send(self, message: schema.ControlMessage) -> None:
+        if self.finished:
+            raise RpcError(Code.FAILED_PRECONDITION, "stream already ended")
+        await self.send_message(bytes(message))
+
+    async def finish(self, code: Code, message: str = "") -> None:
+        """End our side with a status: gRPC trailers, or Connect's end-of-stream envelope."""
+        if self.finished or self.error is not None or self.transport.error is not None:
+            self.finished = True
+            return
+        self.finished = True
+        try:
+            if self.protocol == "connect":
+                payload = encode_connect_end_stream(code, message)
+                await self.send_data(framing.encode(payload, framing.FLAG_END_STREAM), end_stream=True)
+            else:
+                trailers = [(b"grpc-status", str(int(code)).encode())]
+                if message:
+                    trailers.append((b"grpc-message", encode_grpc_message(message).encode()))
+                self.transport.conn.send_headers(self.stream_id, trailers, end_stream=True)
+                self.local_ended = True
+                await self.transport.flush()
+            if not self.remote_ended:
+                # RFC 9113 8.1: a server that answered before the request ended tells the client to
+                # stop sending with RST_STREAM(NO_ERROR) rather than leaving it to fill our window.
+                await self.reset(ErrorCodes.NO_ERROR)
+        except (TransportError, h2.exceptions.ProtocolError):
+            pass
+
+
+class _WsServerStream(ServerStream):
+    """The same envelopes in binary WebSocket messages; status in a final Connect-style envelope."""
+
+    def __init__(
+        self,
+        server: StreamServer,
+        ws: trio_websocket.WebSocketConnection,
+        peer: PeerIdentity,
+        metadata: dict[str, str],
+    ) -> None:
+        self.server = server
+        self.ws = ws
+        self.protocol = "websocket"
+        self.peer = peer
+        self.metadata = metadata
+        self.finished = False
+
+    async def receive(self) -> schema.AgentMessage | None:
+        if self.finished:
+            return None
+        try:
+            data = await self.ws.get_message()
+        except trio_websocket.ConnectionClosed as exc:
+            raise TransportError(f"websocket closed: {exc.reason}") from exc
+        if isinstance(data, str):
+            await self._refuse(Code.INTERNAL, "text WebSocket message; envelopes travel in binary messages")
+        decoder = framing.EnvelopeDecoder(self.server.limits.max_message_size)
+        decoder.receive_data(bytes(data))
+        decoder.receive_data(b"")
+        try:
+            env = decoder.next_event()
+            extra = decoder.next_event()
+        except framing.MessageTooLarge as exc:
+            await self._refuse(Code.RESOURCE_EXHAUSTED, str(exc))
+        except framing.FramingError as exc:
+            await self._refuse(Code.INTERNAL, f"malformed envelope: {exc}")
+        if not isinstance(env, framing.Envelope) or extra is not None:
+            await self._refuse(Code.INTERNAL, "each WebSocket message must hold exactly one envelope")
+        if env.end_stream:
+            return None
+        try:
+            return _parse(env.payload)
+        except RpcError as exc:
+            await self._refuse(exc.code, exc.message)
+
+    async def _refuse(self, code: Code, message: str) -> NoReturn:
+        log.warning("websocket stream from %s ended: %s: %s", self.peer.address, code.name, message)
+        await self.finish(code, message)
+        raise RpcError(code, message)
+
+    async def send(self, message: schema.ControlMessage) -> None:
+        if self.finished:
+            raise RpcError(Code.FAILED_PRECONDITION, "stream already ended")
+        try:
+            await self.ws.send_message(framing.encode(bytes(message), 0, self.server.limits.max_message_size))
+        except trio_websocket.ConnectionClosed as exc:
+            raise TransportError(f"websocket closed: {exc.reason}") from exc
+
+    async def finish(self, code: Code, message: str = "") -> None:
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            end = framing.encode(encode_connect_end_stream(code, message), framing.FLAG_END_STREAM)
+            await self.ws.send_message(end)
+            await self.ws.aclose(1000)
+        except trio_websocket.ConnectionClosed:
+            pass
+
+
+class _PrefixedStream(trio.abc.Stream):
+    """A stream that first replays bytes we already read while telling protocols apart."""
+
+    def __init__(self, stream: trio.abc.Stream, prefix: bytes) -> None:
+        self.stream = stream
+        self.prefix = prefix
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self.prefix:
+            n = len(self.prefix) if max_bytes is None else max_bytes
+            out, self.prefix = self.prefix[:n], self.prefix[n:]
+            return out
+        return bytes(await self.stream.receive_some(max_bytes))
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        if isinstance(self.stream, trio.abc.HalfCloseableStream):
+            await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class StreamServer:
+    """Serves ``AgentService/Connect`` to a handler; see the module docstring."""
+
+    def __init__(
+        self, handler: Handler, *, tls: ServerTLS | None = None, limits: ServerLimits | None = None
+    ) -> None:
+        self.handler = handler
+        self.tls = tls
+        self.limits = limits or ServerLimits()
+        self._ssl_context = tls.context() if tls else None
+        self._transports: set[H2Transport] = set()
+        self._streams: set[ServerStream] = set()
+        self._scopes: set[trio.CancelScope] = set()
+        self._listen_scope = trio.CancelScope()
+        self._shutting_down = False
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    async def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen and serve until cancelled; reports the bound port through ``task_status``."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()[1]
+        log.info("agent streams on %s://%s:%d (gRPC, Connect, WebSocket)", self.scheme, host, bound)
+        async with trio.open_nursery() as nursery:
+            with self._listen_scope:
+                serve = functools.partial(trio.serve_listeners, handler_nursery=nursery)
+                await nursery.start(serve, self._handle_tcp, listeners)
+                task_status.started(bound)
+                await trio.sleep_forever()
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stop taking connections, GOAWAY every connection, let streams end, then end the rest."""
+        self._shutting_down = True
+        self._listen_scope.cancel()
+        for transport in list(self._transports):
+            await transport.goaway(ErrorCodes.NO_ERROR, "server shutting down")
+        with trio.move_on_after(self.limits.shutdown_grace if grace is None else grace):
+            await self._idle.wait()
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    # -- connections -----------------------------------------------------------------------------
+
+    async def _handle_tcp(self, tcp: trio.SocketStream) -> None:
+        try:
+            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        address = _format_address(tcp)
+        stream: trio.abc.Stream = tcp
+        peer = PeerIdentity(address)
+        alpn: str | None = None
+        prefix = b""
+        try:
+            with trio.fail_after(self.limits.handshake_timeout):
+                if self._ssl_context is not None:
+                    ssl_stream = trio.SSLStream(tcp, self._ssl_context, server_side=True)
+                    await ssl_stream.do_handshake()
+                    alpn = ssl_stream.selected_alpn_protocol()
+                    peer = _identity(address, ssl_stream.getpeercert())
+                    stream = ssl_stream
+                if alpn != "h2":
+                    prefix = await self._sniff(stream)
+        except trio.TooSlowError:
+            log.warning(
+                "%s: no TLS handshake or request within %g s; closing", address, self.limits.handshake_timeout
+            )
+            await trio.aclose_forcefully(stream)
+            return
+        except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
+            cause = exc.__cause__ or exc
+            log.warning("%s: TLS handshake failed: %s", address, cause)
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            if alpn == "h2" or not _HTTP1_REQUEST_LINE.match(prefix):
+                await self._serve_h2(stream, peer, prefix)
+            else:
+                await self._serve_http1(stream, peer, prefix)
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _sniff(self, stream: trio.abc.Stream) -> bytes:
+        """Read enough to tell the HTTP/2 preface from an HTTP/1.1 request head."""
+        buf = b""
+        while True:
+            if len(buf) >= len(PREFACE) and not _HTTP1_REQUEST_LINE.match(buf):
+                return buf
+            if _HTTP1_REQUEST_LINE.match(buf) and (b"\r\n\r\n" in buf or len(buf) > _MAX_HTTP1_HEAD):
+                return buf
+            if (
+                buf
+                and not PREFACE.startswith(buf[: len(PREFACE)])
+                and not re.match(rb"^[A-Z]{0,10}( |$)", buf)
+            ):
+                return buf  # garbage: let h2 reject it with a GOAWAY that says why
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                return buf
+            buf += bytes(chunk)
+
+    async def _serve_http1(self, stream: trio.abc.Stream, peer: PeerIdentity, head: bytes) -> None:
+        request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        headers = head.split(b"\r\n\r\n", 1)[0].lower()
+        path = request_line.split(" ")[1] if " " in request_line else ""
+        if b"upgrade: websocket" in headers and path.split("?")[0] == schema.WEBSOCKET_PATH:
+            await self._serve_websocket(_PrefixedStream(stream, head), peer)
+            return
+        body = (
+            f"this port speaks HTTP/2 (gRPC or Connect at {schema.CONNECT_PATH}) and WebSocket at "
+            f"{schema.WEBSOCKET_PATH}; got an HTTP/1.1 request: {request_line}\n"
+        ).encode()
+        status = b"426 Upgrade Required" if path.split("?")[0] == schema.CONNECT_PATH else b"400 Bad Request"
+        response = (
+            b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Upgrade: h2c\r\nConnection: close\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        log.warning("%s: HTTP/1.1 request on the HTTP/2 port: %s", peer.address, request_line)
+        with trio.move_on_after(self.limits.handshake_timeout):
+            try:
+                await stream.send_all(response)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def _serve_websocket(self, stream: trio.abc.Stream, peer: PeerIdentity) -> None:
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(self.limits.handshake_timeout) as hs:
+                request = await trio_websocket.wrap_server_stream(
+                    nursery, stream, max_message_size=self.limits.max_message_size + framing.HEADER_SIZE
+                )
+                metadata = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+                if self._shutting_down or len(self._streams) >= self.limits.max_streams:
+                    await request.reject(503, body=b"server shutting down or at its stream limit\n")
+                    nursery.cancel_scope.cancel()
+                    return
+                ws = await request.accept()
+            if hs.cancelled_caught:
+                nursery.cancel_scope.cancel()
+                return
+            st = _WsServerStream(self, ws, peer, metadata)
+            await self._run_handler(st, st.finish)
+            nursery.cancel_scope.cancel()
+
+    async def _serve_h2(self, stream: trio.abc.Stream, peer: PeerIdentity, prefix: bytes) -> None:
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        conn = h2.connection.H2Connection(config=config)
+        conn.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.max_streams_per_connection,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 16 * 1024,
+            },
+        )
+        conn.initiate_connection()
+        transport = H2Transport(stream, conn)
+        self._transports.add(transport)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    transport.keepalive, self.limits.keepalive_interval, self.limits.keepalive_timeout
+                )
+                await transport.flush()
+                if prefix:
+                    if not await self._feed(transport, nursery, peer, prefix):
+                        nursery.cancel_scope.cancel()
+                        return
+                if self._shutting_down:
+                    await transport.goaway(ErrorCodes.NO_ERROR, "server shutting down")
+                while True:
+                    try:
+                        data = bytes(await stream.receive_some(65536))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        data = b""
+                    if not data:
+                        transport.fail(TransportErrorClosed(f"{peer.address} closed the connection"))
+                        break
+                    if not await self._feed(transport, nursery, peer, data):
+                        break
+                    if transport.error is not None and not transport.streams:
+                        break
+                nursery.cancel_scope.cancel()
+        except TransportError:
+            pass
+        finally:
+            self._transports.discard(transport)
+
+    async def _feed(
+        self, transport: H2Transport, nursery: trio.Nursery, peer: PeerIdentity, data: bytes
+    ) -> bool:
+        """Feed bytes to h2 and act on its events; ``False`` when the connection must close."""
+        try:
+            events = transport.conn.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            detail = _protocol_error_text(exc, data)
+            log.warning("%s: HTTP/2 protocol error: %s", peer.address, detail)
+            transport.fail(TransportErrorClosed(detail))
+            await transport.goaway(ErrorCodes.PROTOCOL_ERROR, detail)
+            return False
+        for event in events:
+            if isinstance(event, h2.events.RequestReceived):
+                await self._on_request(transport, nursery, peer, event)
+            elif not transport.handle_common(event):
+                log.debug("%s: ignored HTTP/2 event %r", peer.address, event)
+        try:
+            await transport.flush()
+        except TransportError:
+            return False
+        return True
+
+    async def _on_request(
+        self,
+        transport: H2Transport,
+        nursery: trio.Nursery,
+        peer: PeerIdentity,
+        event: h2.events.RequestReceived,
+    ) -> None:
+        stream_id = int(event.stream_id)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in (event.headers or [])}
+        ctype = headers.get("content-type", "").split(";")[0].strip().encode()
+        conn = transport.conn
+
+        def respond(status: int, text: str) -> None:
+            body = (text + "\n").encode()
+            conn.send_headers(
+                stream_id,
+                [(b":status", str(status).encode()), (b"content-type", b"text/plain; charset=utf-8")],
+            )
+            conn.send_data(stream_id, body, end_stream=True)
+
+        def trailers_only(code: Code, message: str, content_type: bytes) -> None:
+            log.warning("%s: stream refused: %s: %s", peer.address, code.name, message)
+            if content_type == CONNECT_CONTENT_TYPE:
+                conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", content_type)])
+                payload = encode_connect_end_stream(code, message)
+                conn.send_data(stream_id, framing.encode(payload, framing.FLAG_END_STREAM), end_stream=True)
+            else:
+                conn.send_headers(
+                    stream_id,
+                    [
+                        (b":status", b"200"),
+                        (b"content-type", b"application/grpc"),
+                        (b"grpc-status", str(int(code)).encode()),
+                        (b"grpc-message", encode_grpc_message(message).encode()),
+                    ],
+                    end_stream=True,
+                )
+
+        if ctype in GRPC_CONTENT_TYPES:
+            protocol = "grpc"
+        elif ctype == CONNECT_CONTENT_TYPE:
+            protocol = "connect"
+        else:
+            log.warning("%s: unsupported content-type %r", peer.address, ctype.decode("latin-1"))
+            respond(
+                415,
+                f"unsupported content-type {ctype.decode('latin-1')!r}: this server takes "
+                "application/grpc, application/grpc+proto or application/connect+proto",
+            )
+            return
+        if headers.get(":method") != "POST":
+            respond(405, f"method {headers.get(':method')} not allowed: gRPC and Connect use POST")
+            return
+        if headers.get(":path") != schema.CONNECT_PATH:
+            trailers_only(
+                Code.UNIMPLEMENTED,
+                f"unknown method {headers.get(':path')}; served: {schema.CONNECT_PATH}",
+                ctype,
+            )
+            return
+        encoding = headers.get(
+            "grpc-encoding" if protocol == "grpc" else "connect-content-encoding", "identity"
+        )
+        if encoding != "identity":
+            trailers_only(
+                Code.UNIMPLEMENTED, f"message encoding {encoding!r} not supported; use identity", ctype
+            )
+            return
+        if self._shutting_down:
+            trailers_only(Code.UNAVAILABLE, "server shutting down", ctype)
+            return
+        if len(self._streams) >= self.limits.max_streams:
+            trailers_only(
+                Code.RESOURCE_EXHAUSTED, f"server at its limit of {self.limits.max_streams} streams", ctype
+            )
+            return
+        st = _H2ServerStream(self, transport, stream_id, protocol, peer, headers)
+        if event.stream_ended is not None:
+            st.on_remote_end()
+        response_ctype = b"application/grpc+proto" if ctype == b"application/grpc+proto" else ctype
+        conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", response_ctype)])
+        nursery.start_soon(self._run_h2_stream, st)
+
+    async def _run_h2_stream(self, st: _H2ServerStream) -> None:
+        try:
+            await self._run_handler(st, st.finish, st.scope)
+        finally:
+            st.forget()
+
+    async def _run_handler(
+        self,
+        st: ServerStream,
+        finish: Callable[[Code, str], Awaitable[None]],
+        scope: trio.CancelScope | None = None,
+    ) -> None:
+        scope = scope or trio.CancelScope()
+        self._streams.add(st)
+        self._scopes.add(scope)
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        code, message = Code.OK, ""
+        try:
+            with scope:
+                try:
+                    await self.handler(st)
+                except RpcError as exc:
+                    code, message = exc.code, exc.message
+                except TransportError as exc:
+                    log.info("stream from %s ended: %s", st.peer.address, exc)
+                    code, message = Code.UNAVAILABLE, str(exc)
+                except Exception as exc:
+                    log.exception("handler failed on the stream from %s", st.peer.address)
+                    code, message = Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            if scope.cancelled_caught and self._shutting_down:
+                code, message = Code.UNAVAILABLE, "server shutting down"
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await finish(code, message)
+        finally:
+            self._streams.discard(st)
+            self._scopes.discard(scope)
+            if not self._streams:
+                self._idle.set()
+
+
+class TransportErrorClosed(TransportError):
+    """The connection is over: closed by the peer, or by us after a protocol error."""
+
+
+def _protocol_error_text(exc: h2.exceptions.ProtocolError, data: bytes) -> str:
+    text = str(exc) or type(exc).__name__
+    if "preamble" in text.lower() or "preface" in text.lower():
+        return f"expected the HTTP/2 connection preface (gRPC/Connect over h2c); got {data[:24]!r}"
+    return text

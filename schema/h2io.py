@@ -1,0 +1,379 @@
+"""HTTP/2 plumbing shared by the agent's client and the control plane's server.
+
+``h2`` is a sans-IO state machine: it turns bytes into events and calls into bytes, and leaves every
+socket operation, every wait and every lock to us. This module is that "us", written once for both ends:
+
+- :class:`H2Transport` owns one trio stream and one ``H2Connection``: the single writer lock (bytes must
+  leave in the order h2 produced them), waiting for flow-control window, keepalive PINGs that detect a
+  black-holed peer within seconds rather than after TCP's minutes, and the connection's fatal error.
+- :class:`H2Stream` is one HTTP/2 stream carrying envelopes (gRPC, Connect): outbound messages wait for
+  window instead of overrunning the peer; inbound bytes are acknowledged to the peer only while the
+  application keeps up, so a slow consumer slows the sender down instead of growing our memory.
+
+The client and server each drive their own read loop (their events differ: requests vs responses) and
+call :meth:`H2Transport.handle_common` for what is the same on both sides.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import h2.connection
+import h2.events
+import h2.exceptions
+import trio
+from h2.errors import ErrorCodes
+
+from schema import framing
+
+
+class TransportError(Exception):
+    """The connection or the stream under an RPC failed; a session should reconnect."""
+
+
+class ConnectionLost(TransportError):
+    """The peer closed the connection, or the socket failed."""
+
+
+class PeerUnresponsive(TransportError):
+    """The peer did not answer an HTTP/2 PING in time: the connection is black-holed or the peer hung."""
+
+
+class GoAwayReceived(TransportError):
+    """The peer sent GOAWAY: it will take no new streams, and ended ours with the given code."""
+
+    def __init__(self, error_code: int, last_stream_id: int, debug: bytes) -> None:
+        name = _error_name(error_code)
+        detail = f": {debug.decode('utf-8', 'replace')}" if debug else ""
+        super().__init__(f"peer sent GOAWAY ({name}, last stream {last_stream_id}){detail}")
+        self.error_code = error_code
+        self.last_stream_id = last_stream_id
+        self.debug = debug
+
+
+class StreamReset(TransportError):
+    """The peer reset our stream (RST_STREAM) with the given HTTP/2 error code."""
+
+    def __init__(self, error_code: int, stream_id: int) -> None:
+        super().__init__(f"peer reset stream {stream_id} ({_error_name(error_code)})")
+        self.error_code = error_code
+
+
+class StalledMessage(TransportError):
+    """A peer sent part of a message and then nothing for too long."""
+
+
+def _error_name(code: int) -> str:
+    try:
+        return ErrorCodes(code).name
+    except ValueError:
+        return f"error code {code}"
+
+
+class H2Transport:
+    """One HTTP/2 connection over one trio stream; see the module docstring."""
+
+    def __init__(self, stream: trio.abc.Stream, conn: h2.connection.H2Connection) -> None:
+        self.stream = stream
+        self.conn = conn
+        self.error: TransportError | None = None
+        self.streams: dict[int, H2Stream] = {}
+        self._send_lock = trio.Lock()
+        self._window_event = trio.Event()
+        self._ping_counter = itertools.count(1)
+        self._ping_waiters: dict[bytes, trio.Event] = {}
+        self._closed = trio.Event()
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Send whatever h2 has queued. Taken under the lock so bytes leave in the order h2 made them."""
+        async with self._send_lock:
+            data = self.conn.data_to_send()
+            if not data:
+                return
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.fail(ConnectionLost(f"connection lost while sending: {exc or type(exc).__name__}"))
+                raise self.error from exc  # type: ignore[misc]
+
+    async def wait_window(self) -> None:
+        """Block until a WINDOW_UPDATE, a SETTINGS change, a reset or a failure could free window."""
+        await self._window_event.wait()
+
+    def wake_senders(self) -> None:
+        self._window_event.set()
+        self._window_event = trio.Event()
+
+    # -- keepalive -------------------------------------------------------------------------------
+
+    async def ping(self, timeout: float) -> bool:
+        """Send a PING and wait for its ACK; ``False`` when none came within ``timeout`` seconds."""
+        payload = next(self._ping_counter).to_bytes(8, "big")
+        acked = trio.Event()
+        self._ping_waiters[payload] = acked
+        try:
+            self.conn.ping(payload)
+            await self.flush()
+            with trio.move_on_after(timeout):
+                await acked.wait()
+            return acked.is_set()
+        finally:
+            self._ping_waiters.pop(payload, None)
+
+    async def keepalive(self, interval: float, timeout: float) -> None:
+        """Ping every ``interval`` seconds; fail the connection when a PING goes unanswered.
+
+        This is the dead-peer detector: on a black-holed path TCP keeps retransmitting for many
+        minutes before giving up, while a PING with a timeout notices within ``interval + timeout``.
+        """
+        if interval <= 0 or math.isinf(interval):
+            return
+        while self.error is None:
+            await trio.sleep(interval)
+            try:
+                answered = await self.ping(timeout)
+            except TransportError:
+                return
+            if not answered:
+                self.fail(PeerUnresponsive(f"peer did not answer an HTTP/2 PING within {timeout:g} s"))
+                await self.abort()
+                return
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    async def receive_events(self, max_bytes: int = 65536) -> list[h2.events.Event]:
+        """Read once from the socket and feed h2; an empty list never means end of connection."""
+        try:
+            data = await self.stream.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise self.fail(ConnectionLost(f"connection lost: {exc or type(exc).__name__}")) from exc
+        if not data:
+            raise self.fail(ConnectionLost("peer closed the connection"))
+        events = self.conn.receive_data(data)
+        return events
+
+    def handle_common(self, event: h2.events.Event) -> bool:
+        """Handle what both ends treat alike; ``True`` when the event was consumed here."""
+        if isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+            self.wake_senders()
+            return True
+        if isinstance(event, h2.events.PingAckReceived):
+            waiter = self._ping_waiters.get(bytes(event.ping_data or b""))
+            if waiter is not None:
+                waiter.set()
+            return True
+        if isinstance(event, h2.events.DataReceived):
+            st = self.streams.get(event.stream_id)
+            if st is None:
+                # Data for a stream we already finished: give the window back and drop it.
+                if event.flow_controlled_length:
+                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                return True
+            st.on_data(event.data or b"", event.flow_controlled_length or 0)
+            return True
+        if isinstance(event, h2.events.StreamEnded):
+            st = self.streams.get(event.stream_id)
+            if st is not None:
+                st.on_remote_end()
+            return True
+        if isinstance(event, h2.events.StreamReset):
+            st = self.streams.get(event.stream_id)
+            if st is not None:
+                st.on_reset(StreamReset(int(event.error_code or 0), event.stream_id))
+            self.wake_senders()
+            return True
+        if isinstance(event, h2.events.ConnectionTerminated):
+            err = GoAwayReceived(
+                int(event.error_code or 0),
+                int(event.last_stream_id or 0),
+                bytes(event.additional_data or b""),
+            )
+            # Streams above last_stream_id were never processed; streams at or below it may finish,
+            # but we hold one long-lived stream per connection, so ending them all is the useful choice.
+            self.fail(err)
+            return True
+        return isinstance(
+            event,
+            h2.events.PingReceived
+            | h2.events.SettingsAcknowledged
+            | h2.events.PriorityUpdated
+            | h2.events.UnknownFrameReceived,
+        )
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def fail(self, error: TransportError) -> TransportError:
+        """Record the connection's fatal error (the first one wins) and wake everything waiting."""
+        if self.error is None:
+            self.error = error
+        for st in list(self.streams.values()):
+            st.on_reset(self.error)
+        self.wake_senders()
+        self._closed.set()
+        return self.error
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def abort(self) -> None:
+        """Close the socket without ceremony (a blocked send or receive then fails at once)."""
+        await trio.aclose_forcefully(self.stream)
+
+    async def goaway(self, error_code: ErrorCodes = ErrorCodes.NO_ERROR, debug: str = "") -> None:
+        """Send GOAWAY, best effort: the peer may already be gone."""
+        try:
+            self.conn.close_connection(error_code=error_code, additional_data=debug.encode()[:1024])
+        except h2.exceptions.ProtocolError:
+            return
+        try:
+            with trio.move_on_after(1):
+                await self.flush()
+        except TransportError:
+            pass
+
+
+class H2Stream:
+    """One HTTP/2 stream that carries length-prefixed envelopes in both directions."""
+
+    def __init__(
+        self,
+        transport: H2Transport,
+        stream_id: int,
+        max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE,
+    ) -> None:
+        self.transport = transport
+        self.stream_id = stream_id
+        self.max_message_size = max_message_size
+        self.decoder = framing.EnvelopeDecoder(max_message_size)
+        self.remote_ended = False
+        self.local_ended = False
+        self.error: TransportError | None = None
+        self._event = trio.Event()
+        self._deferred_ack = 0
+        # Keep acknowledging while what is buffered fits in one maximal message: enough for any single
+        # message to arrive whole, and a bound on what a consumer that stopped reading can cost us.
+        self._ack_limit = max_message_size + framing.HEADER_SIZE
+        transport.streams[stream_id] = self
+
+    # -- inbound ---------------------------------------------------------------------------------
+
+    def on_data(self, data: bytes, flow_controlled_length: int) -> None:
+        self.decoder.receive_data(data)
+        padding = flow_controlled_length - len(data)
+        ack_now = padding
+        if self.decoder.buffered <= self._ack_limit:
+            ack_now += len(data) + self._deferred_ack
+            self._deferred_ack = 0
+        else:
+            self._deferred_ack += len(data)
+        self._acknowledge(ack_now)
+        self._wake()
+
+    def on_remote_end(self) -> None:
+        self.remote_ended = True
+        self.decoder.receive_data(b"")
+        self._wake()
+
+    def on_reset(self, error: TransportError) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    def _acknowledge(self, n: int) -> None:
+        if n <= 0:
+            return
+        try:
+            self.transport.conn.acknowledge_received_data(n, self.stream_id)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+
+    async def receive_envelope(self, stall_timeout: float = math.inf) -> framing.Envelope | None:
+        """The next envelope, or ``None`` once the peer ended the stream cleanly.
+
+        Raises the stream's :class:`TransportError`, :class:`framing.FramingError` for bytes that are
+        not envelopes, and :class:`StalledMessage` when part of a message arrived and the rest did not
+        within ``stall_timeout`` seconds (a peer that stalls mid-message must not hold a slot forever).
+        """
+        while True:
+            event = self.decoder.next_event()
+            if isinstance(event, framing.Envelope):
+                if self._deferred_ack and self.decoder.buffered <= self._ack_limit:
+                    self._acknowledge(self._deferred_ack)
+                    self._deferred_ack = 0
+                    await self.transport.flush()
+                return event
+            if event is None:
+                return None
+            if self.error is not None:
+                raise self.error
+            waiting = self._event
+            if self.decoder.buffered:
+                with trio.move_on_after(stall_timeout) as scope:
+                    await waiting.wait()
+                if scope.cancelled_caught:
+                    raise StalledMessage(
+                        f"peer sent {self.decoder.buffered} byte(s) of a message and then nothing "
+                        f"for {stall_timeout:g} s"
+                    )
+            else:
+                await waiting.wait()
+
+    # -- outbound --------------------------------------------------------------------------------
+
+    async def send_data(self, data: bytes, end_stream: bool = False) -> None:
+        """Send ``data`` as DATA frames, waiting for flow-control window rather than overrunning it."""
+        transport = self.transport
+        view = memoryview(data)
+        while True:
+            if self.error is not None:
+                raise self.error
+            if transport.error is not None:
+                raise transport.error
+            if not view:
+                if end_stream:
+                    transport.conn.end_stream(self.stream_id)
+                    self.local_ended = True
+                    await transport.flush()
+                return
+            try:
+                window = transport.conn.local_flow_control_window(self.stream_id)
+            except h2.exceptions.StreamClosedError as exc:
+                raise self.error or StreamReset(ErrorCodes.STREAM_CLOSED, self.stream_id) from exc
+            if window <= 0:
+                await transport.wait_window()
+                continue
+            n = min(window, transport.conn.max_outbound_frame_size, len(view))
+            last = end_stream and n == len(view)
+            transport.conn.send_data(self.stream_id, view[:n].tobytes(), end_stream=last)
+            if last:
+                self.local_ended = True
+            view = view[n:]
+            await transport.flush()
+            if last:
+                return
+
+    async def send_message(self, payload: bytes, flags: int = 0) -> None:
+        await self.send_data(framing.encode(payload, flags, self.max_message_size))
+
+    async def reset(self, error_code: ErrorCodes = ErrorCodes.CANCEL) -> None:
+        """RST_STREAM, best effort (the stream or the connection may already be gone)."""
+        try:
+            self.transport.conn.reset_stream(self.stream_id, error_code)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            return
+        self.local_ended = True
+        try:
+            await self.transport.flush()
+        except TransportError:
+            pass
+
+    def forget(self) -> None:
+        """Drop the stream from the connection's table once both sides are done with it."""
+        self.transport.streams.pop(self.stream_id, None)
