@@ -102,7 +102,7 @@ async def test_unknown_method_is_unimplemented(echo_server: tuple[StreamServer, 
 
 async def test_server_ends_while_client_keeps_sending(echo_server: tuple[StreamServer, int]) -> None:
     """hypercorn#329's trigger: the response ends while the request is still streaming."""
-    server, port = echo_server
+    _server, port = echo_server
     stop = threading.Event()
 
     def endless() -> Iterator[schema.AgentMessage]:

@@ -1,0 +1,419 @@
+"""The agent's end of the stream: ``open_stream(url)`` for gRPC, Connect or WebSocket, with TLS.
+
+httpx cannot do full-duplex HTTP/2 and drops trailers, so the HTTP/2 client drives ``h2`` over a trio
+stream itself (the connection plumbing shared with the server lives in :mod:`schema.h2io`). The URL
+scheme picks the carrier:
+
+- ``http://host:port``: HTTP/2 cleartext with prior knowledge (h2c; no HTTP/1.1 upgrade dance);
+- ``https://host:port``: TLS with ALPN ``h2``, optionally presenting a client certificate (mutual TLS);
+- ``ws://`` and ``wss://``: the same envelopes in binary WebSocket messages, for networks whose proxies
+  speak only HTTP/1.1.
+
+Whatever carries it, the caller gets an :class:`AgentStream`: ``send`` an ``AgentMessage``, ``receive``
+``ControlMessage`` values until ``None`` (the server ended the stream with OK). Every failure is a typed
+exception: :class:`schema.rpc.RpcError` for a status the server sent, :class:`schema.h2io.TransportError`
+subclasses for the connection (``ConnectionLost``, ``PeerUnresponsive``, ``GoAwayReceived``,
+``StreamReset``). Background tasks never raise into the caller's body; they record the error, and the
+next ``send`` or ``receive`` raises it, so a session sees every failure in the one place it waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Literal
+from urllib.parse import urlsplit
+
+import attrs
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import trio
+import trio_websocket
+from h2.errors import ErrorCodes
+
+import schema
+from agent import __version__
+from agent.transport.tls import ClientTLS
+from schema import framing
+from schema.h2io import ConnectionLost, H2Stream, H2Transport, PeerUnresponsive, TransportError
+from schema.rpc import (
+    Code,
+    RpcError,
+    decode_connect_end_stream,
+    decode_grpc_message,
+    http_status_to_code,
+)
+
+log = logging.getLogger("llmgw.agent.transport")
+
+Protocol = Literal["grpc", "connect"]
+
+
+@attrs.frozen
+class StreamOptions:
+    """How to reach the control plane; every wait here has a bound."""
+
+    protocol: Protocol = "grpc"
+    tls: ClientTLS | None = None
+    #: TCP connect plus TLS handshake must finish within this many seconds.
+    connect_timeout: float = 10.0
+    #: Seconds between keepalive PINGs, and how long an answer may take: a black-holed connection is
+    #: detected within ``keepalive_interval + keepalive_timeout`` rather than after TCP's minutes.
+    keepalive_interval: float = 10.0
+    keepalive_timeout: float = 5.0
+    max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE
+    #: Extra request headers, e.g. ``{"authorization": "Bearer ..."}``.
+    metadata: Mapping[str, str] = attrs.field(factory=dict)
+
+
+class AgentStream:
+    """One agent stream, whatever protocol carries it."""
+
+    protocol: str
+
+    async def send(self, message: schema.AgentMessage) -> None:
+        raise NotImplementedError
+
+    async def receive(self) -> schema.ControlMessage | None:
+        """The next command, or ``None`` once the server ended the stream with OK."""
+        raise NotImplementedError
+
+    async def close_send(self) -> None:
+        """Half-close: tell the server we will send nothing more."""
+        raise NotImplementedError
+
+    async def __aiter__(self) -> AsyncIterator[schema.ControlMessage]:
+        while (message := await self.receive()) is not None:
+            yield message
+
+
+@asynccontextmanager
+async def open_stream(url: str, options: StreamOptions | None = None) -> AsyncIterator[AgentStream]:
+    """Connect to ``url`` and open ``AgentService/Connect``; closing the context ends the stream."""
+    options = options or StreamOptions()
+    parts = urlsplit(url)
+    if parts.scheme in ("ws", "wss"):
+        async with _open_websocket(url, parts.scheme == "wss", options) as ws_stream:
+            yield ws_stream
+        return
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"server URL {url!r}: scheme must be http, https, ws or wss")
+    if not parts.hostname:
+        raise ValueError(f"server URL {url!r} has no host")
+    secure = parts.scheme == "https"
+    port = parts.port or (443 if secure else 80)
+    async with _open_h2(parts.hostname, port, secure, options) as h2_stream:
+        yield h2_stream
+
+
+async def _connect_tcp(host: str, port: int, timeout: float) -> trio.SocketStream:
+    with trio.fail_after(timeout):
+        try:
+            tcp = await trio.open_tcp_stream(host, port)
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return tcp
+
+
+async def _tls_handshake(
+    tcp: trio.SocketStream, host: str, tls: ClientTLS, alpn: list[str], timeout: float
+) -> trio.SSLStream[trio.SocketStream]:
+    stream = trio.SSLStream(tcp, tls.context(alpn), server_hostname=tls.server_hostname or host)
+    try:
+        with trio.fail_after(timeout):
+            await stream.do_handshake()
+    except trio.BrokenResourceError as exc:
+        await trio.aclose_forcefully(tcp)
+        cause = exc.__cause__ or exc
+        raise ConnectionLost(f"TLS handshake with {host} failed: {cause}") from exc
+    return stream
+
+
+class _H2ClientStream(H2Stream, AgentStream):
+    def __init__(self, transport: H2Transport, stream_id: int, options: StreamOptions) -> None:
+        super().__init__(transport, stream_id, options.max_message_size)
+        self.protocol = options.protocol
+        self.http_status: int | None = None
+        self.status: RpcError | None = None
+        self.status_seen = False
+        self._body = bytearray()
+
+    def on_response(self, headers: dict[str, str], ended: bool) -> None:
+        self.http_status = int(headers.get(":status", "0") or 0)
+        if self.http_status == 200 and "grpc-status" in headers:
+            self.on_trailers(headers)  # a trailers-only response
+
+    def on_trailers(self, trailers: dict[str, str]) -> None:
+        if self.protocol != "grpc" or "grpc-status" not in trailers:
+            return
+        self.status_seen = True
+        try:
+            code = Code(int(trailers["grpc-status"]))
+        except ValueError:
+            code = Code.UNKNOWN
+        if code is not Code.OK:
+            self.status = RpcError(code, decode_grpc_message(trailers.get("grpc-message", "")))
+
+    def on_data(self, data: bytes, flow_controlled_length: int) -> None:
+        if self.http_status not in (None, 200):
+            # Not an RPC response (415 from a server that does not speak our content-type, 404 from
+            # a plain web server): keep a little of the body for the error message.
+            if len(self._body) < 1024:
+                self._body += data[: 1024 - len(self._body)]
+            self._acknowledge(flow_controlled_length)
+            return
+        super().on_data(data, flow_controlled_length)
+
+    async def receive(self) -> schema.ControlMessage | None:
+        while True:
+            env = await self.receive_envelope()
+            if env is None:
+                self._raise_final_status()
+                return None
+            if env.end_stream:
+                if self.protocol != "connect":
+                    raise RpcError(Code.INTERNAL, "end-of-stream envelope in a gRPC response")
+                self.status_seen = True
+                self.status = decode_connect_end_stream(env.payload)
+                continue
+            if env.compressed:
+                raise RpcError(Code.INTERNAL, "server sent a compressed message; none was negotiated")
+            try:
+                return schema.ControlMessage.parse(env.payload)
+            except Exception as exc:
+                raise RpcError(
+                    Code.INTERNAL, f"malformed ControlMessage ({len(env.payload)} bytes): {exc}"
+                ) from exc
+
+    def _raise_final_status(self) -> None:
+        if self.http_status not in (None, 200):
+            assert self.http_status is not None
+            text = self._body.decode("utf-8", "replace").strip()
+            raise RpcError(http_status_to_code(self.http_status), f"HTTP {self.http_status}: {text}")
+        if self.status is not None:
+            raise self.status
+        if not self.status_seen:
+            what = "grpc-status trailer" if self.protocol == "grpc" else "Connect end-of-stream message"
+            raise RpcError(Code.INTERNAL, f"server ended the stream without a {what}")
+
+    async def send(self, message: schema.AgentMessage) -> None:
+        if self.remote_ended:
+            self._raise_final_status()
+            raise RpcError(Code.FAILED_PRECONDITION, "the server already ended the stream")
+        await self.send_message(bytes(message))
+
+    async def close_send(self) -> None:
+        if not self.local_ended:
+            await self.send_data(b"", end_stream=True)
+
+
+@asynccontextmanager
+async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -> AsyncIterator[AgentStream]:
+    tcp = await _connect_tcp(host, port, options.connect_timeout)
+    stream: trio.abc.Stream = tcp
+    if secure:
+        tls_stream = await _tls_handshake(
+            tcp, host, options.tls or ClientTLS(), ["h2"], options.connect_timeout
+        )
+        if tls_stream.selected_alpn_protocol() != "h2":
+            await trio.aclose_forcefully(tls_stream)
+            raise ConnectionLost(
+                f"{host}:{port} did not negotiate HTTP/2 over TLS (ALPN gave "
+                f"{tls_stream.selected_alpn_protocol()!r}); is it an llmgw control plane?"
+            )
+        stream = tls_stream
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    conn.initiate_connection()
+    transport = H2Transport(stream, conn)
+    try:
+        async with trio.open_nursery() as nursery:
+            stream_id = conn.get_next_available_stream_id()
+            content_type = (
+                "application/grpc+proto" if options.protocol == "grpc" else "application/connect+proto"
+            )
+            headers = [
+                (":method", "POST"),
+                (":scheme", "https" if secure else "http"),
+                (":path", schema.CONNECT_PATH),
+                (":authority", f"{host}:{port}"),
+                ("content-type", content_type),
+                ("user-agent", f"llmgw-agent/{__version__}"),
+            ]
+            if options.protocol == "grpc":
+                headers.append(("te", "trailers"))
+            else:
+                headers.append(("connect-protocol-version", "1"))
+            headers.extend((k.lower(), v) for k, v in options.metadata.items())
+            st = _H2ClientStream(transport, stream_id, options)
+            conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
+            await transport.flush()
+            nursery.start_soon(_read_loop, transport, st)
+            nursery.start_soon(transport.keepalive, options.keepalive_interval, options.keepalive_timeout)
+            try:
+                yield st
+            finally:
+                if not (st.local_ended and st.remote_ended):
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        await st.reset(ErrorCodes.CANCEL)
+                nursery.cancel_scope.cancel()
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
+    """The connection's only reader: socket bytes -> h2 events -> the stream."""
+    while transport.error is None:
+        try:
+            events = await transport.receive_events()
+        except TransportError:
+            return
+        except h2.exceptions.ProtocolError as exc:
+            transport.fail(ConnectionLost(f"HTTP/2 protocol error from the server: {exc}"))
+            await transport.abort()
+            return
+        for event in events:
+            if isinstance(event, h2.events.ResponseReceived):
+                st.on_response(_headers(event.headers), event.stream_ended is not None)
+            elif isinstance(event, h2.events.TrailersReceived):
+                st.on_trailers(_headers(event.headers))
+            elif not transport.handle_common(event):
+                log.debug("ignored HTTP/2 event %r", event)
+        try:
+            await transport.flush()
+        except TransportError:
+            return
+
+
+def _headers(raw: object) -> dict[str, str]:
+    pairs = raw or []
+    assert isinstance(pairs, list)
+    return {bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1") for k, v in pairs}
+
+
+# -- WebSocket ---------------------------------------------------------------------------------------
+
+
+class _WsClientStream(AgentStream):
+    def __init__(self, ws: trio_websocket.WebSocketConnection, options: StreamOptions) -> None:
+        self.ws = ws
+        self.options = options
+        self.protocol = "websocket"
+        self.error: TransportError | None = None
+        self.done = False
+        self.local_ended = False
+
+    def _closed(self, exc: trio_websocket.ConnectionClosed) -> TransportError:
+        if self.error is not None:
+            return self.error
+        reason = exc.reason
+        if reason is None:
+            return ConnectionLost("websocket closed")
+        return ConnectionLost(f"websocket closed ({reason.code} {reason.name}): {reason.reason or ''}")
+
+    async def receive(self) -> schema.ControlMessage | None:
+        if self.done:
+            return None
+        try:
+            data = await self.ws.get_message()
+        except trio_websocket.ConnectionClosed as exc:
+            raise self._closed(exc) from exc
+        if isinstance(data, str):
+            raise RpcError(Code.INTERNAL, "text WebSocket message from the server; expected binary envelopes")
+        decoder = framing.EnvelopeDecoder(self.options.max_message_size)
+        decoder.receive_data(bytes(data))
+        decoder.receive_data(b"")
+        env = decoder.next_event()
+        if not isinstance(env, framing.Envelope) or decoder.next_event() is not None:
+            raise RpcError(Code.INTERNAL, "each WebSocket message must hold exactly one envelope")
+        if env.end_stream:
+            self.done = True
+            status = decode_connect_end_stream(env.payload)
+            if status is not None:
+                raise status
+            return None
+        try:
+            return schema.ControlMessage.parse(env.payload)
+        except Exception as exc:
+            raise RpcError(
+                Code.INTERNAL, f"malformed ControlMessage ({len(env.payload)} bytes): {exc}"
+            ) from exc
+
+    async def send(self, message: schema.AgentMessage) -> None:
+        if self.error is not None:
+            raise self.error
+        try:
+            await self.ws.send_message(framing.encode(bytes(message), 0, self.options.max_message_size))
+        except trio_websocket.ConnectionClosed as exc:
+            raise self._closed(exc) from exc
+
+    async def close_send(self) -> None:
+        if self.local_ended:
+            return
+        self.local_ended = True
+        try:
+            await self.ws.send_message(framing.encode(b"{}", framing.FLAG_END_STREAM))
+        except trio_websocket.ConnectionClosed as exc:
+            raise self._closed(exc) from exc
+
+    async def keepalive(self) -> None:
+        """WebSocket PING with a timeout: the same dead-peer bound as the HTTP/2 carrier."""
+        interval, timeout = self.options.keepalive_interval, self.options.keepalive_timeout
+        if interval <= 0 or math.isinf(interval):
+            return
+        while True:
+            await trio.sleep(interval)
+            with trio.move_on_after(timeout) as scope:
+                try:
+                    await self.ws.ping()
+                except trio_websocket.ConnectionClosed:
+                    return
+            if scope.cancelled_caught:
+                self.error = PeerUnresponsive(f"peer did not answer a WebSocket PING within {timeout:g} s")
+                await trio.aclose_forcefully(self.ws._stream)
+                return
+
+
+@asynccontextmanager
+async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> AsyncIterator[AgentStream]:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if secure else 80)
+    path = parts.path if parts.path not in ("", "/") else schema.WEBSOCKET_PATH
+    tcp = await _connect_tcp(host, port, options.connect_timeout)
+    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream] = tcp
+    if secure:
+        stream = await _tls_handshake(
+            tcp, host, options.tls or ClientTLS(), ["http/1.1"], options.connect_timeout
+        )
+    extra = [(k.lower().encode(), v.encode()) for k, v in options.metadata.items()]
+    extra.append((b"user-agent", f"llmgw-agent/{__version__}".encode()))
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(options.connect_timeout):
+                    ws = await trio_websocket.wrap_client_stream(
+                        nursery,
+                        stream,
+                        f"{host}:{port}",
+                        path,
+                        extra_headers=extra,
+                        max_message_size=options.max_message_size + framing.HEADER_SIZE,
+                    )
+            except trio_websocket.HandshakeError as exc:
+                raise ConnectionLost(f"WebSocket handshake with {url} failed: {exc}") from exc
+            ws_stream = _WsClientStream(ws, options)
+            nursery.start_soon(ws_stream.keepalive)
+            try:
+                yield ws_stream
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await ws.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        await trio.aclose_forcefully(stream)

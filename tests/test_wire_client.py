@@ -1,0 +1,150 @@
+"""Our client against our server over every carrier, and against grpcio's server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+import trio
+
+import schema
+from agent.transport import Code, RpcError, StreamOptions, open_stream
+from control.transport import StreamServer
+from tests.wirepeers import ack, heartbeat, register
+
+CARRIERS = [("http", "grpc"), ("http", "connect"), ("ws", "grpc")]
+
+
+@pytest.mark.parametrize(("scheme", "protocol"), CARRIERS)
+async def test_round_trips_and_statuses(
+    echo_server: tuple[StreamServer, int], scheme: str, protocol: str
+) -> None:
+    _, port = echo_server
+    opts = StreamOptions(protocol=protocol)  # type: ignore[arg-type]
+    async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
+        for i in range(100):
+            await stream.send(heartbeat(i))
+            reply = await stream.receive()
+            assert reply is not None and reply.ack is not None and reply.ack.message_id == i
+        await stream.send(register("big", cpu_count=1 << 20))
+        reply = await stream.receive()
+        assert reply is not None and len(reply.ack.error) == 1 << 20
+        await stream.close_send()
+        assert await stream.receive() is None
+
+    text = "refusé ✓ 100% — gpu07"
+    async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
+        await stream.send(register("refuse", hostname=text))
+        with pytest.raises(RpcError) as info:
+            await stream.receive()
+    assert info.value.code is Code.PERMISSION_DENIED
+    assert info.value.message == text
+
+
+@pytest.mark.parametrize(("scheme", "protocol"), CARRIERS)
+async def test_pipelined_and_pushed(
+    echo_server: tuple[StreamServer, int], scheme: str, protocol: str
+) -> None:
+    _, port = echo_server
+    opts = StreamOptions(protocol=protocol)  # type: ignore[arg-type]
+    async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
+        got: list[int] = []
+
+        async def reader() -> None:
+            while len(got) < 1000 + 300:
+                msg = await stream.receive()
+                assert msg is not None
+                got.append(msg.ack.message_id)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await stream.send(register("push", cpu_count=300, message_id=0))
+            for i in range(1000):
+                await stream.send(heartbeat(10_000 + i))
+        assert got[:300] == list(range(300)) or sorted(got) == sorted([*range(300), *range(10_000, 11_000)])
+        assert [g for g in got if g >= 10_000] == list(range(10_000, 11_000))
+
+
+async def test_oversized_outgoing_message_is_refused_before_sending(
+    echo_server: tuple[StreamServer, int],
+) -> None:
+    _, port = echo_server
+    async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(max_message_size=1024)) as stream:
+        from schema.framing import MessageTooLarge
+
+        with pytest.raises(MessageTooLarge, match="outgoing message of"):
+            await stream.send(register("x", hostname="h" * 2000))
+        await stream.send(heartbeat(1))
+        reply = await stream.receive()
+        assert reply is not None and reply.ack.message_id == 1
+
+
+class _GrpcioControlPlane:
+    """A grpcio server playing the control plane: echoes acks, pushes on demand, refuses on demand."""
+
+    def connect(
+        self, requests: Iterator[schema.AgentMessage], context: grpc.ServicerContext
+    ) -> Iterator[schema.ControlMessage]:
+        for msg in requests:
+            if msg.register is not None and msg.register.node_id == "refuse":
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, msg.register.hostname)
+            if msg.register is not None and msg.register.node_id == "push":
+                for i in range(msg.register.cpu_count):
+                    yield ack(i)
+                continue
+            if msg.register is not None and msg.register.node_id == "big":
+                yield ack(msg.message_id, "x" * msg.register.cpu_count)
+                continue
+            yield ack(msg.message_id)
+
+
+@pytest.fixture
+def grpcio_server() -> Iterator[int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    handler = grpc.method_handlers_generic_handler(
+        schema.SERVICE,
+        {
+            schema.METHOD: grpc.stream_stream_rpc_method_handler(
+                _GrpcioControlPlane().connect,
+                request_deserializer=schema.AgentMessage.parse,
+                response_serializer=bytes,
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield port
+    server.stop(grace=None)
+
+
+async def test_against_grpcio_server(grpcio_server: int) -> None:
+    url = f"http://127.0.0.1:{grpcio_server}"
+    async with open_stream(url) as stream:
+        for i in range(1000):  # lock-step
+            await stream.send(heartbeat(i))
+            reply = await stream.receive()
+            assert reply is not None and reply.ack.message_id == i
+        for i in range(1000):  # pipelined
+            await stream.send(heartbeat(5000 + i))
+        for i in range(1000):
+            reply = await stream.receive()
+            assert reply is not None and reply.ack.message_id == 5000 + i
+        await stream.send(register("big", cpu_count=1 << 20))
+        reply = await stream.receive()
+        assert reply is not None and len(reply.ack.error) == 1 << 20
+        # Server-initiated messages while we keep the request side open.
+        await stream.send(register("push", cpu_count=50))
+        pushed = [(await stream.receive()) for _ in range(50)]
+        assert [p.ack.message_id for p in pushed if p is not None] == list(range(50))
+        await stream.close_send()
+        assert await stream.receive() is None
+
+    text = "Register refusé: ✓ 100%"
+    async with open_stream(url) as stream:
+        await stream.send(register("refuse", hostname=text))
+        with pytest.raises(RpcError) as info:
+            await stream.receive()
+    assert info.value.code is Code.PERMISSION_DENIED and info.value.message == text
