@@ -45,3 +45,17 @@ class Inventory:
     #: How the GPUs were found: "nvml", "nvidia-smi", "static", or "" when nothing worked.
     source: str = ""
     error: str = ""
+    #: Things that went wrong without stopping discovery (a GPU NVML could not read, a topology
+    #: nvidia-smi would not print): the inventory is usable, but an operator should hear of them.
+    warnings: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class GpuUsage:
+    """What a heartbeat says about one GPU: the few numbers that change while engines run."""
+
+    index: int
+    memory_used_mib: int = 0
+    utilization_percent: int = 0
+    #: Set when the GPU could not be read at all (fallen off the bus, for instance).
+    error: str = ""
