@@ -110,18 +110,16 @@ class EnvelopeDecoder:
                 return Envelope(flags, payload)
         if self._closed:
             if buf:
-                raise TruncatedEnvelope(
-                    f"stream ended inside an envelope: {len(buf)} byte(s) of "
-                    f"{self._expected_size()} received"
-                )
+                raise TruncatedEnvelope(f"stream ended inside an envelope: {self.progress()} received")
             return None
         return NEED_DATA
 
-    def _expected_size(self) -> str:
+    def progress(self) -> str:
+        """How much of the pending envelope has arrived, for error messages."""
         if len(self._buf) < HEADER_SIZE:
-            return f"a {HEADER_SIZE}-byte header"
+            return f"{len(self._buf)} byte(s) of a {HEADER_SIZE}-byte header"
         _, length = HEADER.unpack_from(self._buf)
-        return f"{HEADER_SIZE + length}"
+        return f"{len(self._buf)} byte(s) of {HEADER_SIZE + length}"
 
     @property
     def buffered(self) -> int:

@@ -64,6 +64,13 @@ class StalledMessage(TransportError):
     """A peer sent part of a message and then nothing for too long."""
 
 
+def _cause(exc: BaseException) -> str:
+    """The most telling text of a socket failure: trio wraps TLS alerts (a refused client
+    certificate, say) in BrokenResourceError with the SSLError as the cause."""
+    cause = exc.__cause__ or exc.__context__ or exc
+    return str(cause) or str(exc) or type(cause).__name__
+
+
 def _error_name(code: int) -> str:
     try:
         return ErrorCodes(code).name
@@ -96,8 +103,7 @@ class H2Transport:
             try:
                 await self.stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self.fail(ConnectionLost(f"connection lost while sending: {exc or type(exc).__name__}"))
-                raise self.error from exc  # type: ignore[misc]
+                raise self.fail(ConnectionLost(f"connection lost while sending: {_cause(exc)}")) from exc
 
     async def wait_window(self) -> None:
         """Block until a WINDOW_UPDATE, a SETTINGS change, a reset or a failure could free window."""
@@ -149,7 +155,7 @@ class H2Transport:
         try:
             data = await self.stream.receive_some(max_bytes)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise self.fail(ConnectionLost(f"connection lost: {exc or type(exc).__name__}")) from exc
+            raise self.fail(ConnectionLost(f"connection lost: {_cause(exc)}")) from exc
         if not data:
             raise self.fail(ConnectionLost("peer closed the connection"))
         events = self.conn.receive_data(data)
@@ -319,7 +325,7 @@ class H2Stream:
                     await waiting.wait()
                 if scope.cancelled_caught:
                     raise StalledMessage(
-                        f"peer sent {self.decoder.buffered} byte(s) of a message and then nothing "
+                        f"peer sent {self.decoder.progress()} of a message and then nothing "
                         f"for {stall_timeout:g} s"
                     )
             else:

@@ -19,10 +19,11 @@ next ``send`` or ``receive`` raises it, so a session sees every failure in the o
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Literal
 from urllib.parse import urlsplit
@@ -111,6 +112,28 @@ async def open_stream(url: str, options: StreamOptions | None = None) -> AsyncIt
         yield h2_stream
 
 
+@asynccontextmanager
+async def _with_background(*tasks: Callable[[], Awaitable[object]]) -> AsyncIterator[trio.Nursery]:
+    """Run ``tasks`` in the background around the caller's body; the body's exception leaves as itself.
+
+    Our background tasks (reader, keepalive) never raise: they record errors for ``send`` and
+    ``receive`` to raise. Without this, trio's strict exception groups would hand the caller an
+    ExceptionGroup around its own RpcError or TransportError instead of the error itself.
+    """
+    caught: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        for task in tasks:
+            nursery.start_soon(task)
+        try:
+            yield nursery
+        except BaseException as exc:
+            caught = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if caught is not None:
+        raise caught
+
+
 async def _connect_tcp(host: str, port: int, timeout: float) -> trio.SocketStream:
     with trio.fail_after(timeout):
         try:
@@ -136,8 +159,9 @@ async def _tls_handshake(
 
 
 class _H2ClientStream(H2Stream, AgentStream):
-    def __init__(self, transport: H2Transport, stream_id: int, options: StreamOptions) -> None:
+    def __init__(self, transport: H2Transport, stream_id: int, options: StreamOptions, secure: bool) -> None:
         super().__init__(transport, stream_id, options.max_message_size)
+        self.secure = secure
         self.protocol = options.protocol
         self.http_status: int | None = None
         self.status: RpcError | None = None
@@ -170,9 +194,22 @@ class _H2ClientStream(H2Stream, AgentStream):
             return
         super().on_data(data, flow_controlled_length)
 
+    def _explain(self, exc: TransportError) -> TransportError:
+        """A TLS server that refuses our client certificate (TLS 1.3 checks it after our side of the
+        handshake is done) just closes the connection: say what that most likely means."""
+        if self.secure and self.http_status is None and isinstance(exc, ConnectionLost):
+            return ConnectionLost(
+                f"{exc}; the server closed the TLS connection before answering: it may require a client "
+                "certificate (mutual TLS) that was not presented or that its CA does not trust"
+            )
+        return exc
+
     async def receive(self) -> schema.ControlMessage | None:
         while True:
-            env = await self.receive_envelope()
+            try:
+                env = await self.receive_envelope()
+            except TransportError as exc:
+                raise self._explain(exc) from exc
             if env is None:
                 self._raise_final_status()
                 return None
@@ -188,7 +225,8 @@ class _H2ClientStream(H2Stream, AgentStream):
                 return schema.ControlMessage.parse(env.payload)
             except Exception as exc:
                 raise RpcError(
-                    Code.INTERNAL, f"malformed ControlMessage ({len(env.payload)} bytes): {exc}"
+                    Code.INTERNAL,
+                    f"malformed ControlMessage ({len(env.payload)} bytes): {type(exc).__name__}: {exc}",
                 ) from exc
 
     def _raise_final_status(self) -> None:
@@ -206,7 +244,10 @@ class _H2ClientStream(H2Stream, AgentStream):
         if self.remote_ended:
             self._raise_final_status()
             raise RpcError(Code.FAILED_PRECONDITION, "the server already ended the stream")
-        await self.send_message(bytes(message))
+        try:
+            await self.send_message(bytes(message))
+        except TransportError as exc:
+            raise self._explain(exc) from exc
 
     async def close_send(self) -> None:
         if not self.local_ended:
@@ -232,36 +273,34 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
     conn.initiate_connection()
     transport = H2Transport(stream, conn)
     try:
-        async with trio.open_nursery() as nursery:
-            stream_id = conn.get_next_available_stream_id()
-            content_type = (
-                "application/grpc+proto" if options.protocol == "grpc" else "application/connect+proto"
-            )
-            headers = [
-                (":method", "POST"),
-                (":scheme", "https" if secure else "http"),
-                (":path", schema.CONNECT_PATH),
-                (":authority", f"{host}:{port}"),
-                ("content-type", content_type),
-                ("user-agent", f"llmgw-agent/{__version__}"),
-            ]
-            if options.protocol == "grpc":
-                headers.append(("te", "trailers"))
-            else:
-                headers.append(("connect-protocol-version", "1"))
-            headers.extend((k.lower(), v) for k, v in options.metadata.items())
-            st = _H2ClientStream(transport, stream_id, options)
-            conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
-            await transport.flush()
-            nursery.start_soon(_read_loop, transport, st)
-            nursery.start_soon(transport.keepalive, options.keepalive_interval, options.keepalive_timeout)
+        stream_id = conn.get_next_available_stream_id()
+        content_type = "application/grpc+proto" if options.protocol == "grpc" else "application/connect+proto"
+        headers = [
+            (":method", "POST"),
+            (":scheme", "https" if secure else "http"),
+            (":path", schema.CONNECT_PATH),
+            (":authority", f"{host}:{port}"),
+            ("content-type", content_type),
+            ("user-agent", f"llmgw-agent/{__version__}"),
+        ]
+        if options.protocol == "grpc":
+            headers.append(("te", "trailers"))
+        else:
+            headers.append(("connect-protocol-version", "1"))
+        headers.extend((k.lower(), v) for k, v in options.metadata.items())
+        st = _H2ClientStream(transport, stream_id, options, secure)
+        conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
+        await transport.flush()
+        keepalive = functools.partial(
+            transport.keepalive, options.keepalive_interval, options.keepalive_timeout
+        )
+        async with _with_background(functools.partial(_read_loop, transport, st), keepalive):
             try:
                 yield st
             finally:
                 if not (st.local_ended and st.remote_ended):
                     with trio.CancelScope(shield=True), trio.move_on_after(1):
                         await st.reset(ErrorCodes.CANCEL)
-                nursery.cancel_scope.cancel()
     finally:
         await trio.aclose_forcefully(stream)
 
@@ -341,7 +380,8 @@ class _WsClientStream(AgentStream):
             return schema.ControlMessage.parse(env.payload)
         except Exception as exc:
             raise RpcError(
-                Code.INTERNAL, f"malformed ControlMessage ({len(env.payload)} bytes): {exc}"
+                Code.INTERNAL,
+                f"malformed ControlMessage ({len(env.payload)} bytes): {type(exc).__name__}: {exc}",
             ) from exc
 
     async def send(self, message: schema.AgentMessage) -> None:
@@ -394,7 +434,7 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
     extra = [(k.lower().encode(), v.encode()) for k, v in options.metadata.items()]
     extra.append((b"user-agent", f"llmgw-agent/{__version__}".encode()))
     try:
-        async with trio.open_nursery() as nursery:
+        async with _with_background() as nursery:
             try:
                 with trio.fail_after(options.connect_timeout):
                     ws = await trio_websocket.wrap_client_stream(
@@ -414,6 +454,5 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     await ws.aclose()
-                nursery.cancel_scope.cancel()
     finally:
         await trio.aclose_forcefully(stream)

@@ -172,7 +172,9 @@ def _parse(payload: bytes) -> schema.AgentMessage:
     try:
         return schema.AgentMessage.parse(payload)
     except Exception as exc:
-        raise RpcError(Code.INTERNAL, f"malformed AgentMessage ({len(payload)} bytes): {exc}") from exc
+        raise RpcError(
+            Code.INTERNAL, f"malformed AgentMessage ({len(payload)} bytes): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 class _H2ServerStream(H2Stream, ServerStream):
