@@ -24,6 +24,7 @@ import h2.events
 import h2.exceptions
 import trio
 from h2.errors import ErrorCodes
+from hyperframe.frame import GoAwayFrame
 
 from schema import framing
 
@@ -227,6 +228,25 @@ class H2Transport:
     async def abort(self) -> None:
         """Close the socket without ceremony (a blocked send or receive then fails at once)."""
         await trio.aclose_forcefully(self.stream)
+
+    async def announce_goaway(self, debug: str = "") -> None:
+        """Graceful GOAWAY: tell the peer to open no new streams while ours keep working.
+
+        h2 moves its state machine to CLOSED on ``close_connection`` and then refuses every frame
+        that follows, which would cut off the very streams a graceful shutdown means to drain. So the
+        frame is built here and written after whatever h2 has queued, leaving h2's state open.
+        """
+        frame = GoAwayFrame(0)
+        frame.last_stream_id = self.conn.highest_inbound_stream_id
+        frame.error_code = ErrorCodes.NO_ERROR
+        frame.additional_data = debug.encode()[:1024]
+        async with self._send_lock:
+            data = self.conn.data_to_send() + frame.serialize()
+            try:
+                with trio.move_on_after(1):
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
 
     async def goaway(self, error_code: ErrorCodes = ErrorCodes.NO_ERROR, debug: str = "") -> None:
         """Send GOAWAY, best effort: the peer may already be gone."""

@@ -394,23 +394,28 @@ class StreamServer:
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()[1]
         log.info("agent streams on %s://%s:%d (gRPC, Connect, WebSocket)", self.scheme, host, bound)
-        async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as connections:
+            # Listeners live in their own scope so shutdown() can close them while the connections,
+            # which run in the outer nursery, drain.
             with self._listen_scope:
-                serve = functools.partial(trio.serve_listeners, handler_nursery=nursery)
-                await nursery.start(serve, self._handle_tcp, listeners)
-                task_status.started(bound)
-                await trio.sleep_forever()
+                async with trio.open_nursery() as listening:
+                    serve = functools.partial(trio.serve_listeners, handler_nursery=connections)
+                    await listening.start(serve, self._handle_tcp, listeners)
+                    task_status.started(bound)
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Stop taking connections, GOAWAY every connection, let streams end, then end the rest."""
         self._shutting_down = True
         self._listen_scope.cancel()
         for transport in list(self._transports):
-            await transport.goaway(ErrorCodes.NO_ERROR, "server shutting down")
+            await transport.announce_goaway("server shutting down")
         with trio.move_on_after(self.limits.shutdown_grace if grace is None else grace):
             await self._idle.wait()
         for scope in list(self._scopes):
             scope.cancel()
+        # Cancelled handlers still send their UNAVAILABLE status; wait (bounded) until they have.
+        with trio.move_on_after(5):
+            await self._idle.wait()
 
     # -- connections -----------------------------------------------------------------------------
 
@@ -541,7 +546,7 @@ class StreamServer:
                         nursery.cancel_scope.cancel()
                         return
                 if self._shutting_down:
-                    await transport.goaway(ErrorCodes.NO_ERROR, "server shutting down")
+                    await transport.announce_goaway("server shutting down")
                 while True:
                     try:
                         data = bytes(await stream.receive_some(65536))
