@@ -13,6 +13,7 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 PACKAGES = ["schema", "agent", "control"]
+CHECKED = [*PACKAGES, "demo", "bench"]
 
 
 @nox.session(python="3.11")
@@ -23,16 +24,23 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The README's demo: the system end to end on loopback, no GPU needed."""
+    session.install("-e", ".")
+    session.run("python", "-m", "demo", *session.posargs)
+
+
+@nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
-    session.run("ruff", "check", *PACKAGES, "tests", "bench", "noxfile.py")
-    session.run("ruff", "format", "--check", *PACKAGES, "tests", "bench", "noxfile.py")
+    session.run("ruff", "check", *CHECKED, "tests", "noxfile.py")
+    session.run("ruff", "format", "--check", *CHECKED, "tests", "noxfile.py")
 
 
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     session.install("-e", ".[test,dev]")
-    session.run("mypy", *PACKAGES)
+    session.run("mypy", *CHECKED)
 
 
 @nox.session(python="3.11")
