@@ -1,0 +1,113 @@
+"""Engine adapters, one module per engine, and the registry the supervisor looks them up in.
+
+Each adapter is pure (see ``base``): ``validate(profile, gpus, nnodes=)`` refuses what the engine
+would refuse, ``build_command(spec, ctx)`` is the argv and the environment we add,
+``readiness(spec)`` says what to poll, and ``stop`` how to stop it. ``plan`` runs all of it for one
+``StartShard`` on this node, which is what the supervisor calls before it spawns anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+import schema
+from agent.discovery.model import GpuInfo
+from agent.engines import llamacpp, sglang, sim, trtllm, vllm
+from agent.engines.base import (
+    Command,
+    Engine,
+    LaunchContext,
+    ProfileRefused,
+    Readiness,
+    StopBehaviour,
+    format_indices,
+    require_profile,
+)
+
+ENGINES: Mapping[str, Engine] = {
+    e.name: e for e in (vllm.ENGINE, sglang.ENGINE, llamacpp.ENGINE, trtllm.ENGINE, sim.ENGINE)
+}
+
+
+@attrs.frozen
+class Launch:
+    """Everything the supervisor needs to start and watch one shard."""
+
+    engine: str
+    command: Command
+    readiness: Readiness
+    stop: StopBehaviour
+
+
+def engine_for(name: str) -> Engine:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        known = ", ".join(sorted(ENGINES))
+        raise ProfileRefused(
+            "engine", f"engine {name!r} is not one llmgw can run; known engines: {known}"
+        ) from None
+
+
+def select_gpus(node_gpus: Sequence[GpuInfo], indices: Sequence[int]) -> tuple[GpuInfo, ...]:
+    """The shard's GPUs, in the order the spec names them; refuses an index the node lacks or
+    names twice (CUDA_VISIBLE_DEVICES with a duplicate fails inside the engine, minutes later)."""
+    by_index = {g.index: g for g in node_gpus}
+    missing = [i for i in indices if i not in by_index]
+    if missing:
+        raise ProfileRefused(
+            "gpu-indices",
+            f"gpu_indices {format_indices(missing)} do not exist on this node "
+            f"(it has {format_indices(by_index)})",
+        )
+    if len(set(indices)) != len(indices):
+        raise ProfileRefused("gpu-indices", f"gpu_indices {list(indices)} name a GPU twice")
+    return tuple(by_index[i] for i in indices)
+
+
+def check_spec(spec: schema.StartShard) -> None:
+    """The multi-node fields hang together: a rank within the replica, and rank 0's address."""
+    if spec.http_port == 0 and not (spec.nnodes > 1 and spec.node_rank > 0):
+        raise ProfileRefused("http-port", "http_port is required (the port the engine serves on)")
+    if spec.nnodes > 1:
+        if spec.node_rank >= spec.nnodes:
+            raise ProfileRefused("multi-node", f"node_rank {spec.node_rank} is outside nnodes {spec.nnodes}")
+        if not spec.master_addr or not spec.master_port:
+            raise ProfileRefused(
+                "multi-node",
+                f"a {spec.nnodes}-node shard needs master_addr and master_port "
+                f"(got {spec.master_addr or 'no address'}:{spec.master_port or 'no port'})",
+            )
+
+
+def plan(spec: schema.StartShard, node_gpus: Sequence[GpuInfo], ctx: LaunchContext) -> Launch:
+    """Validate one StartShard against this node and build its launch; raises ProfileRefused."""
+    profile = require_profile(spec)
+    engine = engine_for(profile.engine)
+    check_spec(spec)
+    gpus = select_gpus(node_gpus, spec.gpu_indices)
+    engine.validate(profile, gpus, nnodes=max(spec.nnodes, 1))
+    return Launch(
+        engine=engine.name,
+        command=engine.build_command(spec, ctx),
+        readiness=engine.readiness(spec),
+        stop=engine.stop,
+    )
+
+
+__all__ = [
+    "ENGINES",
+    "Command",
+    "Engine",
+    "Launch",
+    "LaunchContext",
+    "ProfileRefused",
+    "Readiness",
+    "StopBehaviour",
+    "check_spec",
+    "engine_for",
+    "plan",
+    "select_gpus",
+]

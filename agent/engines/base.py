@@ -1,0 +1,436 @@
+"""What every engine adapter shares: the value types the supervisor consumes and the refusal rules.
+
+An adapter is pure: it turns a ``StartShard`` into a ``Command`` (argv and the environment we add),
+says how to tell the engine is ready (``Readiness``) and how to stop it (``StopBehaviour``), and
+refuses a profile the engine would refuse (``ProfileRefused``) *before* anything is launched. A
+refusal before launch costs milliseconds; the same mistake found by the engine costs minutes of
+weight loading and leaves a crash-looping shard behind. No adapter touches a socket, a clock or a
+process: the supervisor does the I/O and polls.
+
+The rules here are the ones engines share (required fields, GPU count, compute capability, memory
+fit); each engine module adds its own lists of choices, read from the engine's source at the version
+it pins in its docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Protocol
+
+import attrs
+
+import schema
+from agent.discovery.model import FabricAttachment, GpuInfo
+
+GIB = 1024**3
+MIB = 1024**2
+
+#: Weights need room besides themselves: the CUDA context, activations, and at least a minimal KV
+#: cache. One GiB per GPU is a floor, not an estimate: a refusal must never be wrong, so the check
+#: only refuses profiles that cannot possibly load.
+HEADROOM_BYTES_PER_GPU = 1 * GIB
+
+#: dtype choices shared by vLLM and SGLang (``--dtype``), from their arg parsers.
+TORCH_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+class ProfileRefused(Exception):
+    """A profile the engine would refuse, found before launch.
+
+    ``rule`` is a short stable key (``"parallel-fit"``, ``"memory-fit"``...) for code and tests;
+    the message is for a person: it names the rule's fields and the numbers that broke it.
+    """
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.message = message
+
+
+@attrs.frozen
+class LaunchContext:
+    """What the node knows that the ``StartShard`` does not: how to start the engine binary here,
+    which interface bootstraps NCCL/Gloo, and which fabrics the node sits on.
+
+    ``argv_prefix`` is the engine binary as the node runs it, e.g. ``("vllm",)``,
+    ``(sys.executable, "-m", "sglang.launch_server")`` or, to run a vLLM profile on the
+    simulator, ``(sys.executable, "-m", "agent.engines.sim")``.
+    """
+
+    argv_prefix: tuple[str, ...] = attrs.field(validator=attrs.validators.min_len(1))
+    host: str = "0.0.0.0"
+    #: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for multi-node shards.
+    mgmt_interface: str = ""
+    #: Configured InfiniBand attachments; their HCAs become NCCL_IB_HCA for multi-node shards.
+    fabrics: tuple[FabricAttachment, ...] = ()
+    #: The node's GPUs as discovery saw them. Only engines whose argv depends on GPU sizes use it
+    #: (llama.cpp ``--tensor-split``); empty means "not known", and they fall back to defaults.
+    gpus: tuple[GpuInfo, ...] = ()
+    #: Drain window for engines with a graceful-stop flag (vLLM ``--shutdown-timeout``): on SIGTERM
+    #: they finish in-flight requests for up to this long. 0 leaves the engine's default (abort).
+    shutdown_timeout_seconds: float = 0.0
+
+
+def _frozen_env(env: Mapping[str, str]) -> Mapping[str, str]:
+    return MappingProxyType(dict(env))
+
+
+@attrs.frozen
+class Command:
+    """An engine process to start: argv, and only the environment we add (the supervisor merges it
+    over ``os.environ``, so PATH, HOME and the operator's own settings pass through)."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_env, hash=False)
+
+
+@attrs.frozen
+class Readiness:
+    """How to tell an engine is ready, as data: the supervisor polls, this says what to poll.
+
+    Ready means: ``health_path`` answers 200 and, when ``models_path`` is set, its JSON lists
+    ``model_name`` (an engine can answer /health before the OpenAI app is mounted, and a router
+    must never be told about a name the engine does not serve). A status in ``loading_statuses``
+    means "still loading, keep polling"; any other non-200 status is worth logging but not fatal,
+    only the process exiting is. ``follow_rank0`` marks ranks > 0 of a multi-node replica: they
+    serve no HTTP of their own, and are ready when rank 0 is.
+    """
+
+    health_path: str = "/health"
+    models_path: str = ""
+    model_name: str = ""
+    loading_statuses: tuple[int, ...] = (503,)
+    follow_rank0: bool = False
+
+    @classmethod
+    def rank0(cls) -> Readiness:
+        """A rank > 0 shard: nothing to poll locally."""
+        return cls(health_path="", follow_rank0=True, loading_statuses=())
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every HTTP path to poll, in order."""
+        return tuple(p for p in (self.health_path, self.models_path) if p)
+
+    def model_listed(self, body: bytes) -> bool:
+        """Whether a ``/v1/models`` response body lists ``model_name``; false for anything that is
+        not the OpenAI list shape (a loading page, a proxy's error), never an exception."""
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+            return False
+        return any(isinstance(m, dict) and m.get("id") == self.model_name for m in doc["data"])
+
+
+@attrs.frozen
+class StopBehaviour:
+    """How an engine stops: the signal to send first, whether it finishes in-flight requests on
+    that signal, and the argv flag that turns draining on (set at launch from
+    ``LaunchContext.shutdown_timeout_seconds``; empty when the engine has none)."""
+
+    stop_signal: signal.Signals = signal.SIGTERM
+    graceful_flag: str = ""
+    drains_in_flight: bool = False
+    note: str = ""
+
+
+class Validate(Protocol):
+    def __call__(
+        self, profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1
+    ) -> None: ...
+
+
+@attrs.frozen
+class Engine:
+    """One engine adapter, as the registry holds it: its pure functions and its stop behaviour."""
+
+    name: str
+    validate: Validate
+    build_command: Callable[[schema.StartShard, LaunchContext], Command]
+    readiness: Callable[[schema.StartShard], Readiness]
+    stop: StopBehaviour
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers for argv and messages.
+
+
+def format_indices(indices: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 6]`` -> ``"0-3,6"``: GPU lists in messages stay short and exact."""
+    values = sorted(set(indices))
+    if not values:
+        return "none"
+    runs: list[str] = []
+    start = prev = values[0]
+    for v in values[1:]:
+        if v == prev + 1:
+            prev = v
+            continue
+        runs.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = v
+    runs.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(runs)
+
+
+def fmt_number(value: float) -> str:
+    """A float as a person writes it: ``0.9`` not ``0.9000000000000001``, ``8`` not ``8.0``."""
+    text = f"{value:.6g}"
+    return text
+
+
+def fmt_gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.1f} GiB"
+
+
+def require_profile(spec: schema.StartShard) -> schema.EngineProfile:
+    if spec.profile is None:
+        raise ProfileRefused("required", "StartShard.profile is required")
+    return spec.profile
+
+
+def served_name(profile: schema.EngineProfile) -> str:
+    """The name clients use: ``served_model_name``, or the model itself when it is unset."""
+    return profile.served_model_name or profile.model
+
+
+def parallel_sizes(profile: schema.EngineProfile) -> tuple[int, int]:
+    """(tp, pp), with proto3's 0 ("unset") meaning 1."""
+    return max(profile.tensor_parallel_size, 1), max(profile.pipeline_parallel_size, 1)
+
+
+def host_port(addr: str, port: int) -> str:
+    """``addr:port``, bracketing IPv6 literals the way torch.distributed and SGLang parse them."""
+    if ":" in addr and not addr.startswith("["):
+        addr = f"[{addr}]"
+    return f"{addr}:{port}"
+
+
+def gpu_env(spec: schema.StartShard) -> dict[str, str]:
+    """The GPU pinning every CUDA engine gets.
+
+    CUDA numbers devices fastest-first by default, while NVML and nvidia-smi (and so discovery
+    and placement) number them by PCI bus id: without CUDA_DEVICE_ORDER the engine can land on
+    GPUs another shard owns.
+    """
+    return {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices),
+    }
+
+
+def multinode_env(ctx: LaunchContext) -> dict[str, str]:
+    """NCCL/Gloo bootstrap settings for a shard of a multi-node replica."""
+    env: dict[str, str] = {}
+    if ctx.mgmt_interface:
+        env["NCCL_SOCKET_IFNAME"] = ctx.mgmt_interface
+        env["GLOO_SOCKET_IFNAME"] = ctx.mgmt_interface
+    hcas = [f"{f.hca}:{f.port}" for f in ctx.fabrics if f.hca]
+    if hcas:
+        env["NCCL_IB_HCA"] = ",".join(hcas)
+    return env
+
+
+def merge_env(ours: Mapping[str, str], profile: schema.EngineProfile) -> dict[str, str]:
+    """Ours, then the profile's on top: an operator's NCCL tuning wins over our defaults.
+    (The profile cannot move the shard's GPUs: ``check_env`` refuses CUDA_VISIBLE_DEVICES.)"""
+    env = dict(ours)
+    env.update(profile.env)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared refusal rules. Each raises ProfileRefused with the rule's fields and numbers.
+
+
+def check_required(profile: schema.EngineProfile, engine: str) -> None:
+    if not profile.engine:
+        raise ProfileRefused("required", f"profile.engine is required (this is the {engine} adapter)")
+    if not profile.model:
+        raise ProfileRefused("required", "profile.model is required (a model path or Hugging Face repo id)")
+    if profile.gpu_memory_utilization < 0 or profile.gpu_memory_utilization > 1:
+        raise ProfileRefused(
+            "gpu-memory-utilization",
+            "gpu_memory_utilization must be in (0, 1], or 0 for the engine's default; "
+            f"got {fmt_number(profile.gpu_memory_utilization)}",
+        )
+    if profile.params_billions < 0:
+        raise ProfileRefused(
+            "params-billions",
+            f"params_billions must be >= 0, got {fmt_number(profile.params_billions)}",
+        )
+
+
+def check_env(profile: schema.EngineProfile) -> None:
+    if "CUDA_VISIBLE_DEVICES" in profile.env:
+        raise ProfileRefused(
+            "env",
+            "profile.env may not set CUDA_VISIBLE_DEVICES "
+            f"({profile.env['CUDA_VISIBLE_DEVICES']!r}): the agent assigns each shard its GPUs",
+        )
+
+
+def check_choice(field: str, value: str, choices: Sequence[str], engine: str) -> None:
+    """``value`` must be one of the engine's own choices (empty means "engine default");
+    ``engine`` names the engine and its pinned version, e.g. "vLLM 0.18.0"."""
+    if value and value not in choices:
+        raise ProfileRefused(
+            field, f"{field} {value!r} is not supported by {engine}; choices: {', '.join(choices)}"
+        )
+
+
+def check_gpus_present(gpus: Sequence[GpuInfo], engine: str) -> None:
+    if not gpus:
+        raise ProfileRefused("parallel-fit", f"{engine} needs at least one GPU; 0 given (a CPU-only node?)")
+
+
+def check_parallel_fit(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], nnodes: int) -> None:
+    """tp x pp must use exactly the GPUs given (times the nodes of a multi-node replica).
+
+    Exactly, not "at most": vLLM, SGLang and TensorRT-LLM take the first tp*pp visible devices, so
+    extra GPUs would sit reserved and idle, and fewer fail only after minutes of loading.
+    """
+    tp, pp = parallel_sizes(profile)
+    world = tp * pp
+    have = len(gpus) * nnodes
+    if world == have:
+        return
+    indices = format_indices(g.index for g in gpus)
+    sizes = f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+    if nnodes > 1:
+        raise ProfileRefused(
+            "parallel-fit",
+            f"{sizes} needs {world} GPUs across {nnodes} nodes "
+            f"({fmt_number(world / nnodes)} per node), {len(gpus)} given on this node "
+            f"(indices {indices}), {have} in all",
+        )
+    raise ProfileRefused("parallel-fit", f"{sizes} needs {world} GPUs, {len(gpus)} given (indices {indices})")
+
+
+def needs_fp8(profile: schema.EngineProfile) -> bool:
+    return "fp8" in profile.dtype.lower() or "fp8" in profile.quantization.lower()
+
+
+def check_capability(profile: schema.EngineProfile, gpus: Sequence[GpuInfo]) -> None:
+    """bf16 kernels need Ampere (8.0); FP8 tensor cores need Ada/Hopper (8.9). Every GPU must have
+    it: one older GPU in a tensor-parallel group fails the whole group at kernel selection."""
+    wants: list[tuple[str, tuple[int, int]]] = []
+    if profile.dtype == "bfloat16":
+        wants.append((f"dtype {profile.dtype}", (8, 0)))
+    if needs_fp8(profile):
+        what = (
+            f"quantization {profile.quantization}"
+            if "fp8" in profile.quantization.lower()
+            else f"dtype {profile.dtype}"
+        )
+        wants.append((what, (8, 9)))
+    for what, need in wants:
+        for gpu in gpus:
+            if gpu.compute_capability < need:
+                have = ".".join(map(str, gpu.compute_capability))
+                raise ProfileRefused(
+                    "compute-capability",
+                    f"{what} needs compute capability {need[0]}.{need[1]}+ on every GPU; "
+                    f"GPU {gpu.index} ({gpu.name}) has {have}",
+                )
+
+
+#: Nominal bytes per weight for a quantization, by family. Nominal (4-bit = 0.5) on purpose: real
+#: formats carry scales and a few layers in 16 bits, so the true size is a little larger, and a
+#: refusal based on the nominal size is never wrong.
+_ONE_BYTE = ("fp8", "int8", "w8a8", "w8a16", "experts_int8", "mxfp8")
+_HALF_BYTE = (
+    "fp4",
+    "int4",
+    "awq",
+    "gptq",
+    "marlin",
+    "wna16",
+    "auto-round",
+    "bitsandbytes",
+    "qoq",
+    "w4a",
+)
+
+
+def bytes_per_param(profile: schema.EngineProfile) -> tuple[float, str] | None:
+    """(bytes per weight, the reason in words) for the memory-fit estimate, or None when the width
+    is only known to the checkpoint (compressed-tensors, quark, torchao, a bare "gguf")."""
+    q = profile.quantization.lower()
+    if q:
+        # GGUF file types (llama.cpp): q4_k_m, iq3_xs, tq1_0, q8_0, f16, bf16, f32...
+        gguf = re.match(r"[it]?q(\d)", q)
+        if gguf:
+            bits = int(gguf.group(1))
+            return bits / 8, f"{bits}-bit {profile.quantization}"
+        if q in ("f32", "fp32"):
+            return 4.0, profile.quantization
+        if q in ("f16", "bf16", "fp16"):
+            return 2.0, profile.quantization
+        if any(k in q for k in _ONE_BYTE):
+            return 1.0, f"8-bit {profile.quantization}"
+        if any(k in q for k in _HALF_BYTE):
+            return 0.5, f"4-bit {profile.quantization}"
+        return None
+    if profile.dtype in ("float", "float32"):
+        return 4.0, profile.dtype
+    if profile.dtype in ("half", "float16", "bfloat16"):
+        return 2.0, profile.dtype
+    return 2.0, "16-bit weights assumed for dtype auto"
+
+
+def check_memory_fit(
+    profile: schema.EngineProfile,
+    gpus: Sequence[GpuInfo],
+    nnodes: int,
+    *,
+    default_fraction: float,
+    fraction_name: str = "gpu_memory_utilization",
+    use_profile_fraction: bool = True,
+) -> None:
+    """The weights, split over every node of the replica, must fit this node's GPU budget.
+
+    budget = sum(memory_total x fraction) over the GPUs given, less HEADROOM_BYTES_PER_GPU each.
+    ``use_profile_fraction=False`` is for engines whose memory knob does not bound the weights.
+    Skipped when ``params_billions`` is unknown (0), when no GPUs are given (CPU engines), and
+    when the quantization's width is only known to the checkpoint.
+    """
+    width = bytes_per_param(profile)
+    if profile.params_billions <= 0 or not gpus or width is None:
+        return
+    per_param, why = width
+    weights = profile.params_billions * 1e9 * per_param
+    share = weights / nnodes
+    fraction = default_fraction
+    if use_profile_fraction and profile.gpu_memory_utilization:
+        fraction = profile.gpu_memory_utilization
+    total = sum(g.memory_total_mib for g in gpus) * MIB
+    budget = total * fraction
+    headroom = HEADROOM_BYTES_PER_GPU * len(gpus)
+    if share <= budget - headroom:
+        return
+    per_gpu = {g.memory_total_mib for g in gpus}
+    sizes = (
+        f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''} x {fmt_gib(per_gpu.pop() * MIB)}"
+        if len(per_gpu) == 1
+        else f"{len(gpus)} GPUs totalling {fmt_gib(total)}"
+    )
+    node_share = f", this node's 1/{nnodes} share is {fmt_gib(share)}" if nnodes > 1 else ""
+    raise ProfileRefused(
+        "memory-fit",
+        f"model weights need about {fmt_gib(weights)} "
+        f"({fmt_number(profile.params_billions)}B params x {fmt_number(per_param)} bytes, {why})"
+        f"{node_share}, more than the {fmt_gib(budget - headroom)} this shard can give them: "
+        f"{sizes} x {fraction_name} {fmt_number(fraction)} = {fmt_gib(budget)}, "
+        f"less {fmt_gib(HEADROOM_BYTES_PER_GPU)} headroom per GPU",
+    )
+
+
+def check_nnodes(nnodes: int, engine: str, why: str) -> None:
+    if nnodes > 1:
+        raise ProfileRefused("multi-node", f"{engine} cannot run across {nnodes} nodes here: {why}")

@@ -1,0 +1,92 @@
+"""sim: llmgw's engine simulator, and its adapter.
+
+``python -m agent.engines.sim`` is an OpenAI-compatible server for demos, CI and capacity tests:
+it loads nothing and needs no GPU, but it speaks the HTTP an engine speaks, on the command line
+vLLM takes. Pointing a vLLM profile's binary at it (``LaunchContext(argv_prefix=(sys.executable,
+"-m", "agent.engines.sim"))``) runs the vLLM adapter's real argv end to end; the ``sim`` engine in
+a profile does the same with the rules relaxed for nodes without GPUs.
+
+Command line: ``[serve] MODEL`` or ``--model MODEL``, ``--served-model-name NAME [NAME...]``,
+``--host``, ``--port``, ``--tensor-parallel-size``/``-tp``, ``--pipeline-parallel-size``/``-pp``,
+``--dtype``, ``--quantization``/``-q``, ``--max-model-len`` (default 8192),
+``--gpu-memory-utilization``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
+``--headless`` (a worker rank: no HTTP server, like vLLM's), ``--shutdown-timeout`` (drain
+window on SIGTERM, vLLM's semantics: 0 aborts in-flight requests). Any other vLLM flag is accepted
+and named on stderr.
+
+Knobs, as ``--sim-*`` flags or ``LLMGW_SIM_*`` variables (a flag wins):
+
+========================  ==========================  ==========================================
+flag                      variable                    meaning (default)
+========================  ==========================  ==========================================
+--sim-load-seconds S      LLMGW_SIM_LOAD_SECONDS      /health is 503 for S seconds, then 200 (1)
+--sim-ttft-ms MS          LLMGW_SIM_TTFT_MS           time to first token (50)
+--sim-itl-ms MS           LLMGW_SIM_ITL_MS            time between tokens (10)
+--sim-max-tokens N        LLMGW_SIM_MAX_TOKENS        length when a request sets no max_tokens (16)
+--sim-fail-loading MSG    LLMGW_SIM_FAIL_LOADING      print loading output and MSG, exit 1 while
+                                                      loading ("1" for a CUDA OOM message)
+--sim-exit-after S        LLMGW_SIM_EXIT_AFTER        crash S seconds after start (off)
+--sim-exit-code N         LLMGW_SIM_EXIT_CODE         exit code of that crash (1)
+--sim-hang POINTS         LLMGW_SIM_HANG              comma list: ``loading`` (never ready; "1"
+                                                      means this), ``requests`` (accept, never
+                                                      answer), ``sigterm`` (ignore SIGTERM)
+========================  ==========================  ==========================================
+
+Endpoints: ``GET /health`` (503 while loading or draining), ``GET /v1/models``,
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (plain JSON, or SSE with
+``"stream": true`` and ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk),
+``GET /metrics`` (Prometheus text: ``llmgw_sim_requests_total``, ``llmgw_sim_requests_running``,
+``llmgw_sim_requests_cancelled_total``, ``llmgw_sim_tokens_generated_total``, and vLLM's
+``vllm:num_requests_running`` family). Completions are deterministic: the same prompt gives the
+same words. Every request and lifecycle event is a line on stdout.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import schema
+from agent.discovery.model import GpuInfo
+from agent.engines import base, vllm
+from agent.engines.base import Command, Engine, LaunchContext, Readiness, StopBehaviour
+
+NAME = "sim"
+
+#: How the agent starts the simulator: this interpreter, this package.
+ARGV_PREFIX = (sys.executable, "-m", "agent.engines.sim")
+
+STOP = StopBehaviour(
+    graceful_flag="--shutdown-timeout",
+    drains_in_flight=True,
+    note="like vLLM: drains for --shutdown-timeout seconds on SIGTERM, then exits 0",
+)
+
+
+def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1) -> None:
+    """vLLM's choices always; the GPU rules only when GPUs are given, since the simulator runs on
+    CPU-only nodes too (a demo fleet can be laptops)."""
+    base.check_required(profile, NAME)
+    base.check_env(profile)
+    speaks = f"the simulator (vLLM {vllm.VERSION}'s choices)"
+    base.check_choice("dtype", profile.dtype, vllm.DTYPES, speaks)
+    base.check_choice("quantization", profile.quantization, vllm.QUANTIZATIONS, speaks)
+    if gpus:
+        vllm.validate_as(NAME, profile, gpus, nnodes=nnodes)
+
+
+def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
+    """vLLM's argv exactly (the simulator parses it), with the GPU pinning only when GPUs are
+    assigned: an empty CUDA_VISIBLE_DEVICES is meaningless to the simulator but confusing in logs."""
+    profile = base.require_profile(spec)
+    env: dict[str, str] = base.gpu_env(spec) if spec.gpu_indices else {}
+    if spec.nnodes > 1:
+        env.update(base.multinode_env(ctx))
+    return Command(argv=vllm.build_argv(spec, ctx), env=base.merge_env(env, profile))
+
+
+def readiness(spec: schema.StartShard) -> Readiness:
+    return vllm.readiness(spec)
+
+
+ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)
