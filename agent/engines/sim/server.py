@@ -1,0 +1,572 @@
+"""The simulator's HTTP server and lifecycle: trio streams with h11 driven by hand.
+
+Why not an ASGI stack: each streamed token here is one wait on a clock shared by all streams
+(``Ticker``) and one write of a pre-built chunk, and nothing else, which is what lets two cores
+carry hundreds of concurrent streams for router benchmarks (about 70 us of CPU per token on the
+development machine, most of it the write system call). HTTP/1.1 keep-alive comes with h11's
+cycle (``start_next_cycle``).
+
+Client disconnects are detected while a response is being produced, not only when a write fails:
+a watcher reads the connection during generation and treats end-of-file as the client going away,
+cancelling the generation at once (a real engine frees the sequence's KV blocks the same way). Such
+a request counts in ``llmgw_sim_requests_cancelled_total``, so a test can check that a router's
+client disconnect reached the engine.
+
+Lifecycle (all printed to stdout, which the agent sends to the shard's log file): "loading model",
+"ready on port N" once /health turns 200, and on SIGTERM: stop accepting, /health 503, let in-flight
+requests finish for up to ``--shutdown-timeout`` seconds (vLLM's semantics: 0 aborts them), exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import attrs
+import h11
+import trio
+
+from agent.engines.sim import generate
+from agent.engines.sim.config import SimConfig
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+RECEIVE_SIZE = 65536
+
+
+@attrs.define
+class Stats:
+    """Counters for /metrics; one instance per server, mutated only from the server's tasks."""
+
+    requests_total: dict[str, int] = attrs.Factory(dict)
+    running: int = 0
+    cancelled: int = 0
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+
+    def exposition(self, model: str) -> bytes:
+        label = json.dumps(model)
+        lines = [
+            "# HELP llmgw_sim_requests_total Completion requests received, by endpoint.",
+            "# TYPE llmgw_sim_requests_total counter",
+        ]
+        for endpoint in ("/v1/chat/completions", "/v1/completions"):
+            count = self.requests_total.get(endpoint, 0)
+            lines.append(f'llmgw_sim_requests_total{{endpoint="{endpoint}"}} {count}')
+        lines += [
+            "# HELP llmgw_sim_requests_running Requests being generated now.",
+            "# TYPE llmgw_sim_requests_running gauge",
+            f"llmgw_sim_requests_running {self.running}",
+            "# HELP llmgw_sim_requests_cancelled_total Requests whose client went away before the end.",
+            "# TYPE llmgw_sim_requests_cancelled_total counter",
+            f"llmgw_sim_requests_cancelled_total {self.cancelled}",
+            "# HELP llmgw_sim_tokens_generated_total Completion tokens sent.",
+            "# TYPE llmgw_sim_tokens_generated_total counter",
+            f"llmgw_sim_tokens_generated_total {self.tokens_generated}",
+            "# HELP llmgw_sim_prompt_tokens_total Prompt tokens received.",
+            "# TYPE llmgw_sim_prompt_tokens_total counter",
+            f"llmgw_sim_prompt_tokens_total {self.prompt_tokens}",
+            # vLLM's names, so what reads vLLM's /metrics can read the simulator's.
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{model_name={label}}} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{model_name={label}}} 0",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{model_name={label}}} {self.tokens_generated}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{{model_name={label}}} {self.prompt_tokens}",
+        ]
+        return ("\n".join(lines) + "\n").encode()
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its response was being produced."""
+
+
+def _out(conn: h11.Connection, event: h11.Event) -> bytes:
+    data = conn.send(event)
+    assert data is not None  # only ConnectionClosed yields None, and we never send it
+    return data
+
+
+async def _write(stream: trio.SocketStream, data: bytes) -> None:
+    """``send_all`` without its two scheduler round trips when the kernel takes the bytes at once,
+    which it does for small SSE events on a healthy connection; the rest goes through send_all.
+    The caller supplies the cancellation checkpoint (the ticker)."""
+    try:
+        sent = os.write(stream.socket.fileno(), data)
+    except BlockingIOError:
+        sent = 0
+    except OSError as exc:  # EPIPE, ECONNRESET, EBADF after close
+        raise trio.BrokenResourceError(f"client connection lost: {exc}") from exc
+    if sent < len(data):
+        await stream.send_all(data[sent:])
+
+
+class Ticker:
+    """One clock for the inter-token gaps of every stream.
+
+    ``trio.sleep`` per token costs a cancel scope and a timer entry per stream; parking on one
+    shared lot that a single task wakes every ITL costs neither, and is what lets two cores carry
+    hundreds of streams. Gaps after the first are exactly one ITL; the first, after the TTFT, is
+    up to one ITL (streams do not start in step with the clock).
+    """
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def run(self) -> None:
+        if self.period <= 0:
+            return
+        deadline = trio.current_time()
+        while True:
+            # Drift-free while we keep up; after a stall, skip the missed ticks rather than
+            # firing them back to back (a gap must never be shorter than the ITL).
+            deadline = max(deadline + self.period, trio.current_time())
+            await trio.sleep_until(deadline)
+            self._lot.unpark_all()
+
+    async def tick(self) -> None:
+        if self.period <= 0:
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._lot.park()
+
+
+class Log:
+    """Lines to stdout, which the agent points at the shard's log file."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+
+    def __call__(self, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{stamp} sim: {message}", file=self._out, flush=True)
+
+
+class SimServer:
+    """One simulated engine: its state ("loading", "ready", "draining"), its counters, its HTTP."""
+
+    def __init__(self, config: SimConfig, log: Log) -> None:
+        self.config = config
+        self.log = log
+        self.stats = Stats()
+        self.state = "loading"
+        self.port = 0
+        self.started = int(time.time())
+        self._inflight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.ticker = Ticker(config.itl_ms / 1000)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def load(self, stop: trio.CancelScope, outcome: list[int]) -> None:
+        """Pretend to load the model; fail or hang there if a knob says so."""
+        c = self.config
+        self.log(
+            f"loading model {c.model} (served as {', '.join(c.served_model_names)}; "
+            f"tp={c.tensor_parallel_size} pp={c.pipeline_parallel_size} dtype={c.dtype}"
+            f"{' quantization=' + c.quantization if c.quantization else ''} "
+            f"max_model_len={c.max_model_len}; simulated, {c.load_seconds:g}s)"
+        )
+        if c.fail_loading:
+            await trio.sleep(c.load_seconds / 2)
+            self.log(f"loading weights for {c.model}: 50% ...")
+            print(f"ERROR {c.fail_loading}", file=sys.stderr, flush=True)
+            self.log(f"engine failed to start: {c.fail_loading}")
+            outcome.append(1)
+            stop.cancel()
+            return
+        if "loading" in c.hang:
+            self.log("hanging while loading (LLMGW_SIM_HANG=loading): /health stays 503")
+            await trio.sleep_forever()
+        await trio.sleep(c.load_seconds)
+        if self.state == "loading":
+            self.state = "ready"
+            if c.headless:
+                self.log(
+                    f"headless worker rank {c.node_rank} of {c.nnodes} joined "
+                    f"{c.master_addr}:{c.master_port}; no API server on this rank"
+                )
+            else:
+                self.log(f"ready on port {self.port}")
+
+    async def crash_after(self, stop: trio.CancelScope, outcome: list[int]) -> None:
+        await trio.sleep(self.config.exit_after)
+        self.log(
+            f"simulated crash after {self.config.exit_after:g}s "
+            f"(LLMGW_SIM_EXIT_AFTER), exit code {self.config.exit_code}"
+        )
+        outcome.append(self.config.exit_code)
+        stop.cancel()
+
+    async def drain(self, grace: float) -> None:
+        """Stop taking requests and wait up to ``grace`` seconds for in-flight ones."""
+        self.state = "draining"
+        if self._inflight:
+            self.log(f"draining {self._inflight} in-flight request(s) for up to {grace:g}s")
+            with trio.move_on_after(grace):
+                await self._idle.wait()
+            if self._inflight:
+                self.log(f"aborting {self._inflight} request(s) still running")
+
+    # -- connections ---------------------------------------------------------------------------
+
+    async def serve_listeners(self, listeners: list[trio.SocketListener], connections: trio.Nursery) -> None:
+        """Accept until cancelled. Connections live in ``connections``, not under this task, so
+        that closing the listeners on SIGTERM leaves in-flight requests running to drain."""
+        await trio.serve_listeners(self.handle_connection, listeners, handler_nursery=connections)
+
+    async def handle_connection(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = stream.socket.getpeername()
+            client = f"{peer[0]}:{peer[1]}"
+        except OSError:
+            client = "?"
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request = await self._read_request(conn, stream)
+                if request is None:
+                    return
+                head, body = request
+                await self._respond(conn, stream, client, head, body)
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    return
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError, ClientGone):
+            return
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _read_request(
+        self, conn: h11.Connection, stream: trio.SocketStream
+    ) -> tuple[h11.Request, bytes] | None:
+        head: h11.Request | None = None
+        body = bytearray()
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(RECEIVE_SIZE)
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Request):
+                head = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > MAX_BODY_BYTES:
+                    raise h11.RemoteProtocolError("request body too large")
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                return head, bytes(body)
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+            else:  # PAUSED can only follow a complete request, which returned above
+                return None
+
+    async def _send_simple(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        close: bool = False,
+    ) -> None:
+        headers = [
+            ("content-type", content_type),
+            ("content-length", str(len(body))),
+            ("server", "llmgw-sim"),
+        ]
+        if close:
+            headers.append(("connection", "close"))
+        data = _out(conn, h11.Response(status_code=status, headers=headers))
+        data += _out(conn, h11.Data(data=body)) + _out(conn, h11.EndOfMessage())
+        await stream.send_all(data)
+
+    async def _send_json(
+        self, conn: h11.Connection, stream: trio.SocketStream, status: int, doc: Any
+    ) -> None:
+        await self._send_simple(conn, stream, status, json.dumps(doc).encode())
+
+    async def _respond(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        client: str,
+        head: h11.Request,
+        body: bytes,
+    ) -> None:
+        method = head.method.decode()
+        path = head.target.decode().split("?", 1)[0]
+        start = time.monotonic()
+        line = f'{client} "{method} {path} HTTP/{head.http_version.decode()}"'
+        try:
+            status = await self._route(conn, stream, method, path, body)
+        except ClientGone:
+            elapsed = (time.monotonic() - start) * 1000
+            self.log(f"{line} 499 client closed the connection {elapsed:.0f}ms")
+            raise
+        elapsed = (time.monotonic() - start) * 1000
+        self.log(f"{line} {status} {elapsed:.0f}ms")
+
+    async def _route(
+        self, conn: h11.Connection, stream: trio.SocketStream, method: str, path: str, body: bytes
+    ) -> int:
+        routes = {
+            "/health": ("GET",),
+            "/v1/models": ("GET",),
+            "/metrics": ("GET",),
+            "/v1/chat/completions": ("POST",),
+            "/v1/completions": ("POST",),
+        }
+        if path not in routes:
+            await self._send_json(conn, stream, 404, {"detail": "Not Found"})
+            return 404
+        if method not in routes[path]:
+            await self._send_json(conn, stream, 405, {"detail": "Method Not Allowed"})
+            return 405
+        if path == "/metrics":
+            await self._send_simple(
+                conn,
+                stream,
+                200,
+                self.stats.exposition(self.config.served_model_name),
+                content_type="text/plain; version=0.0.4; charset=utf-8",
+            )
+            return 200
+        if self.state != "ready":
+            message = "model is loading" if self.state == "loading" else "server is shutting down"
+            doc = generate.error_body(message, 503)
+            await self._send_simple(
+                conn, stream, 503, json.dumps(doc).encode(), close=self.state == "draining"
+            )
+            return 503
+        if path == "/health":
+            await self._send_simple(conn, stream, 200, b"")
+            return 200
+        if path == "/v1/models":
+            c = self.config
+            doc = generate.models_list(c.served_model_names, c.model, self.started, c.max_model_len)
+            await self._send_json(conn, stream, 200, doc)
+            return 200
+        return await self._complete(conn, stream, path, body)
+
+    # -- completions ---------------------------------------------------------------------------
+
+    async def _complete(self, conn: h11.Connection, stream: trio.SocketStream, path: str, raw: bytes) -> int:
+        chat = path == "/v1/chat/completions"
+        self.stats.requests_total[path] = self.stats.requests_total.get(path, 0) + 1
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise generate.BadRequest("the request body must be a JSON object")
+            model = body.get("model")
+            if model not in self.config.served_model_names:
+                await self._send_json(
+                    conn,
+                    stream,
+                    404,
+                    generate.error_body(f"The model `{model}` does not exist.", 404, "model"),
+                )
+                return 404
+            prompt = generate.chat_prompt(body) if chat else generate.completion_prompt(body)
+            plan = generate.plan(
+                prompt,
+                generate.requested_max_tokens(body),
+                self.config.default_max_tokens,
+                self.config.max_model_len,
+            )
+        except ValueError as exc:  # JSONDecodeError and BadRequest are ValueErrors
+            param = exc.param if isinstance(exc, generate.BadRequest) else None
+            await self._send_json(conn, stream, 400, generate.error_body(str(exc), 400, param))
+            return 400
+
+        prefix = "chatcmpl" if chat else "cmpl"
+        shape = generate.Shape(
+            chat=chat,
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.config.served_model_name,
+        )
+        streaming = bool(body.get("stream"))
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+
+        self.stats.prompt_tokens += plan.prompt_tokens
+        progress = _Progress()
+        generation = trio.CancelScope()
+        watcher = _Watcher(generation)
+        self._begin()
+        try:
+            with generation:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watcher.watch, conn, stream)
+                    try:
+                        if streaming:
+                            events = shape.stream(plan, include_usage)
+                            await self._stream(conn, stream, events, progress)
+                        else:
+                            await self._wait_tokens(plan.completion_tokens)
+                            doc = json.dumps(shape.full_response(plan)).encode()
+                            self.stats.tokens_generated += plan.completion_tokens
+                            await self._send_simple(conn, stream, 200, doc)
+                            progress.completed = True
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        watcher.gone = True
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._end()
+        if watcher.gone and not progress.completed:
+            self.stats.cancelled += 1
+            raise ClientGone()
+        # A client that left after its last event got its whole answer: nothing was cancelled,
+        # and the next read on the connection sees the same end-of-file and closes it.
+        return 200
+
+    async def _wait_tokens(self, count: int) -> None:
+        """The time a non-streamed response takes: TTFT, then one ITL per further token."""
+        if "requests" in self.config.hang:
+            await trio.sleep_forever()
+        seconds = (self.config.ttft_ms + max(count - 1, 0) * self.config.itl_ms) / 1000
+        await trio.sleep(seconds)
+
+    async def _stream(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        events: Iterator[tuple[bytes, bool]],
+        progress: _Progress,
+    ) -> None:
+        """Send SSE events: the first token after TTFT, each later one after an ITL; the role
+        chunk, the final chunk, usage and ``[DONE]`` go out without delay, as vLLM sends them."""
+        headers = [
+            ("content-type", "text/event-stream"),
+            ("cache-control", "no-cache"),
+            ("server", "llmgw-sim"),
+        ]
+        await stream.send_all(_out(conn, h11.Response(status_code=200, headers=headers)))
+        if "requests" in self.config.hang:
+            await trio.sleep_forever()
+        first = True
+        for event, is_token in events:
+            if is_token:
+                if first:
+                    await trio.sleep(self.config.ttft_ms / 1000)
+                    first = False
+                else:
+                    await self.ticker.tick()
+            else:
+                await trio.lowlevel.checkpoint()
+            await _write(stream, _out(conn, h11.Data(data=event)))
+            if is_token:
+                self.stats.tokens_generated += 1
+        progress.completed = True
+        await stream.send_all(_out(conn, h11.EndOfMessage()))
+
+    def _begin(self) -> None:
+        self._inflight += 1
+        self.stats.running += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        self.stats.running -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+
+@attrs.define
+class _Progress:
+    """Whether a response's last event has gone out."""
+
+    completed: bool = False
+
+
+class _Watcher:
+    """Reads the connection while a response is produced: end-of-file means the client left.
+    Bytes that do arrive (a pipelined next request) go to h11, which keeps them for the next cycle."""
+
+    def __init__(self, generation: trio.CancelScope) -> None:
+        self.generation = generation
+        self.gone = False
+
+    async def watch(self, conn: h11.Connection, stream: trio.SocketStream) -> None:
+        while True:
+            try:
+                data = await stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            if not data:
+                self.gone = True
+                self.generation.cancel()
+                return
+            conn.receive_data(data)
+
+
+async def run(config: SimConfig, out: TextIO = sys.stdout) -> int:
+    """The whole simulator process, as a trio main: returns the exit code."""
+    log = Log(out)
+    if config.ignored:
+        print(
+            "sim: ignoring vLLM arguments it does not simulate: " + " ".join(config.ignored),
+            file=sys.stderr,
+            flush=True,
+        )
+    stop_signals = [signal.SIGTERM, signal.SIGINT]
+    if "sigterm" in config.hang:
+        # Deliberately unkillable by SIGTERM: tests the supervisor's SIGKILL escalation.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_signals.remove(signal.SIGTERM)
+        log("ignoring SIGTERM (LLMGW_SIM_HANG=sigterm)")
+    server = SimServer(config, log)
+    outcome: list[int] = []
+    with trio.open_signal_receiver(*stop_signals) as signals:
+        async with trio.open_nursery() as nursery:
+            listeners_scope = trio.CancelScope()
+            listeners: list[trio.SocketListener] = []
+            if not config.headless:
+                # One listener, so that --port 0 means one port (per-family listeners would each
+                # get their own); no --host means every IPv4 interface.
+                host = config.host or "0.0.0.0"
+                try:
+                    listeners = await trio.open_tcp_listeners(config.port, host=host)
+                except OSError as exc:
+                    log(f"cannot listen on {host}:{config.port}: {exc}")
+                    return 1
+                server.port = listeners[0].socket.getsockname()[1]
+                log(f"listening on {host}:{server.port} (pid {os.getpid()})")
+
+                async def accept() -> None:
+                    with listeners_scope:
+                        await server.serve_listeners(listeners, nursery)
+
+                nursery.start_soon(accept)
+            nursery.start_soon(server.ticker.run)
+            nursery.start_soon(server.load, nursery.cancel_scope, outcome)
+            if config.exit_after > 0:
+                nursery.start_soon(server.crash_after, nursery.cancel_scope, outcome)
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                # Close the port now, not when the accept task next runs: from this line on a
+                # new connection is refused, which is what a draining engine must guarantee.
+                listeners_scope.cancel()
+                for listener in listeners:
+                    await listener.aclose()
+                log(f"received {name}: port closed, no new requests")
+                await server.drain(config.shutdown_timeout)
+                log("shutting down")
+                nursery.cancel_scope.cancel()
+                break
+    return outcome[0] if outcome else 0
