@@ -542,6 +542,10 @@ def test_trtllm_rules() -> None:
         "served_model_name 'llama' cannot be honoured: trtllm-serve 1.2 has no flag for it and serves the "
         "model as 'meta-llama/Llama-3.1-8B-Instruct'"
     )
+    # The KV-cache fraction applies after the weights, so it does not shrink the weights' budget.
+    trtllm.validate(profile("trtllm", params_billions=8, gpu_memory_utilization=0.1), gpus(1))
+    err = refusal(trtllm.validate, profile("trtllm", params_billions=70), gpus(1))
+    assert str(err).endswith("1 GPU x 79.6 GiB x weights share 1 = 79.6 GiB, less 1.0 GiB headroom per GPU")
     err = refusal(trtllm.validate, profile("trtllm", tensor_parallel_size=16), gpus(8), nnodes=2)
     assert err.rule == "multi-node"
     assert "needs an MPI launcher" in str(err)

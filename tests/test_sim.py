@@ -8,9 +8,11 @@ sends them. Every wait polls with a deadline and says what it waited for.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -225,6 +227,26 @@ def test_keep_alive_serves_many_requests_on_one_connection(start_sim: StartSim) 
             r = http.post("/v1/completions", json={"model": "sim-model", "prompt": "x", "max_tokens": 2})
             assert r.status_code == 200
     assert len(set(re.findall(r"(127\.0\.0\.1:\d+) \"POST", sim.stdout()))) == 1
+
+
+def test_expect_100_continue_is_answered(start_sim: StartSim) -> None:
+    sim = start_sim()
+    sim.wait_ready()
+    body = json.dumps({"model": "sim-model", "prompt": "x " * 600, "max_tokens": 2}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nexpect: 100-continue\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", sim.port), timeout=5) as sock:
+        sock.sendall(head)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")
+        sock.sendall(body)
+        reply = b""
+        while b'"usage"' not in reply:
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed early: {reply!r}"
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 ")
 
 
 async def test_hundreds_of_concurrent_streams(start_sim: StartSim) -> None:

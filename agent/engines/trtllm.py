@@ -97,7 +97,14 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
     base.check_gpus_present(gpus, NAME)
     base.check_parallel_fit(profile, gpus, nnodes)
     base.check_capability(profile, gpus)
-    base.check_memory_fit(profile, gpus, nnodes, default_fraction=1.0, use_profile_fraction=False)
+    base.check_memory_fit(
+        profile,
+        gpus,
+        nnodes,
+        default_fraction=1.0,
+        fraction_name="weights share",
+        use_profile_fraction=False,
+    )
 
 
 def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:

@@ -262,6 +262,10 @@ class SimServer:
                 continue
             if isinstance(event, h11.Request):
                 head = event
+                if conn.they_are_waiting_for_100_continue:
+                    # curl asks before sending a body over 1 KiB; unanswered, it waits a second.
+                    interim = h11.InformationalResponse(status_code=100, headers=[])
+                    await stream.send_all(_out(conn, interim))
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_BODY_BYTES:
