@@ -55,3 +55,4 @@ def bench(session: nox.Session) -> None:
     """Benchmarks that print ratios against a peer measured in the same run."""
     session.install("-e", ".[test,dev]")
     session.run("python", "-m", "bench.wire", *session.posargs)
+    session.run("python", "-m", "bench.agent")

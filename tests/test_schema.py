@@ -75,7 +75,7 @@ def test_truncated_envelope_is_named() -> None:
     dec.receive_data(framing.encode(b"hello")[:-2])
     assert dec.next_event() is framing.NEED_DATA
     dec.receive_data(b"")
-    with pytest.raises(framing.TruncatedEnvelope, match="8 byte.s. of 10 received"):
+    with pytest.raises(framing.TruncatedEnvelope, match=r"8 byte\(s\) of 10 received"):
         dec.next_event()
 
 

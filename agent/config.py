@@ -1,0 +1,386 @@
+"""Agent configuration: flags > environment (``LLMGW_AGENT_*``) > TOML file > defaults.
+
+Every layer is turned into plain data first, merged key by key, and structured once with cattrs into
+the frozen :class:`AgentConfig`. Each key remembers where its value came from, so a bad value fails
+at start with the key, its source (``--heartbeat-interval``, ``LLMGW_AGENT_HEARTBEAT_INTERVAL``, or
+``/etc/llmgw/agent.toml line 7``) and what was expected: an operator fixing a fleet's config should
+never have to guess which of three places holds the typo. Unknown keys are errors, not ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import socket
+import sys
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+from cattrs.gen import make_dict_structure_fn, override
+from cattrs.v import format_exception
+
+from agent.discovery.model import FabricAttachment
+
+ENV_PREFIX = "LLMGW_AGENT_"
+DEFAULT_CONFIG = Path("/etc/llmgw/agent.toml")
+
+
+def _default_engines() -> dict[str, str]:
+    """Engine command lines as a node usually has them; override per engine in the config."""
+    return {
+        "vllm": "vllm",
+        "sglang": "python3 -m sglang.launch_server",
+        "llamacpp": "llama-server",
+        "trtllm": "trtllm-serve",
+        "sim": f"{shlex.quote(sys.executable)} -m agent.engines.sim",
+    }
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be greater than 0, got {value}")
+
+
+@attrs.frozen
+class PortRange:
+    first: int = 8000
+    last: int = 8999
+
+    def __attrs_post_init__(self) -> None:
+        if not (1 <= self.first <= self.last <= 65535):
+            raise ValueError(f"port range {self.first}-{self.last} must satisfy 1 <= first <= last <= 65535")
+
+
+@attrs.frozen(kw_only=True)
+class AgentConfig:
+    """Everything the agent runs with; see the module docstring for where values come from."""
+
+    node_id: str
+    server: str
+    hostname: str = attrs.field(factory=socket.gethostname)
+    #: Address the router and other nodes reach this node's engines on; empty: derived at start.
+    mgmt_addr: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+    #: NCCL and Gloo bootstrap over this interface for multi-node replicas.
+    mgmt_interface: str = "eth0"
+    fabrics: tuple[FabricAttachment, ...] = ()
+    heartbeat_interval: float = attrs.field(default=5.0, validator=_positive)
+    reconnect_base: float = attrs.field(default=1.0, validator=_positive)
+    reconnect_max: float = attrs.field(default=30.0, validator=_positive)
+    protocol: Literal["grpc", "connect"] = "grpc"
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: Per-node token for control planes without mutual TLS.
+    token: str = ""
+    state_dir: Path = Path("/var/lib/llmgw-agent")
+    #: Engine log files; default ``state_dir/logs``.
+    log_dir: Path | None = None
+    #: Engine name -> command line (shell words), e.g. ``sglang = "python3 -m sglang.launch_server"``.
+    engines: dict[str, str] = attrs.field(factory=_default_engines)
+    #: A static inventory file instead of NVML / nvidia-smi discovery.
+    inventory: Path | None = None
+    #: Seconds between SIGTERM and SIGKILL when stopping an engine.
+    stop_grace: float = attrs.field(default=30.0, validator=_positive)
+    engine_ports: PortRange = PortRange()
+    #: Interface address engines bind to.
+    engine_host: str = "0.0.0.0"
+
+    def __attrs_post_init__(self) -> None:
+        if not self.node_id.strip():
+            raise ValueError("node_id must not be empty")
+        if not re.match(r"^(https?|wss?)://[^/]+", self.server):
+            raise ValueError(f"server must be an http://, https://, ws:// or wss:// URL, got {self.server!r}")
+        if self.reconnect_base > self.reconnect_max:
+            raise ValueError(
+                f"reconnect_base ({self.reconnect_base}) must not exceed reconnect_max ({self.reconnect_max})"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+
+    @property
+    def logs(self) -> Path:
+        return self.log_dir or self.state_dir / "logs"
+
+    def engine_argv(self, engine: str) -> tuple[str, ...]:
+        defaults = _default_engines()
+        return tuple(shlex.split(self.engines.get(engine) or defaults.get(engine, engine)))
+
+
+class ConfigError(Exception):
+    """A configuration a person must fix; the message names key, source and expectation."""
+
+
+# -- the layers ----------------------------------------------------------------------------------
+
+#: Keys whose flag or environment value is not a plain scalar, and how to read it from text.
+_LIST_KEYS = {"fabrics", "labels", "engines", "engine_ports"}
+
+
+def _parse_labels(text: str) -> dict[str, str]:
+    """``zone=a,gpu=h100`` -> {"zone": "a", "gpu": "h100"}."""
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key=value pairs separated by commas, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _parse_fabrics(text: str) -> list[dict[str, Any]]:
+    """``ib-a:mlx5_0:1,ib-a:mlx5_1`` -> fabric attachments (port defaults to 1)."""
+    out: list[dict[str, Any]] = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise ValueError(f"expected FABRIC:HCA[:PORT] entries separated by commas, got {item!r}")
+        entry: dict[str, Any] = {"fabric": parts[0], "hca": parts[1]}
+        if len(parts) == 3:
+            entry["port"] = parts[2]
+        out.append(entry)
+    return out
+
+
+def _parse_ports(text: str) -> dict[str, str]:
+    first, sep, last = text.partition("-")
+    if not sep:
+        raise ValueError(f"expected FIRST-LAST, got {text!r}")
+    return {"first": first.strip(), "last": last.strip()}
+
+
+def _parse_engines(text: str) -> dict[str, str]:
+    """``vllm=/opt/vllm/bin/vllm;sim=python3 -m agent.engines.sim`` (semicolons: commands hold spaces)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected ENGINE=COMMAND entries separated by ';', got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+_TEXT_PARSERS = {
+    "labels": _parse_labels,
+    "fabrics": _parse_fabrics,
+    "engine_ports": _parse_ports,
+    "engines": _parse_engines,
+}
+
+
+def _field_names() -> list[str]:
+    return [a.name for a in attrs.fields(AgentConfig)]
+
+
+@attrs.frozen
+class Layered:
+    """The merged raw values and, per top-level key, where each came from."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+
+def _toml_line(text: str, key: str) -> int | None:
+    pattern = re.compile(rf"^[ \t]*(\[\[?)?[ \t]*{re.escape(key)}[ \t]*(=|\]\]?)", re.MULTILINE)
+    m = pattern.search(text)
+    return text.count("\n", 0, m.start()) + 1 if m else None
+
+
+def _from_file(path: Path) -> Layered:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    sources = {}
+    for key in data:
+        line = _toml_line(text, key)
+        sources[key] = f"{path} line {line}" if line else str(path)
+    return Layered(dict(data), sources)
+
+
+def _text_value(key: str, text: str, source: str) -> Any:
+    parser = _TEXT_PARSERS.get(key)
+    if parser is None:
+        return text
+    try:
+        return parser(text)
+    except ValueError as exc:
+        raise ConfigError(f"{key} (from {source}): {exc}") from exc
+
+
+def _from_env(environ: Mapping[str, str]) -> Layered:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    known = set(_field_names())
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in known:
+            raise ConfigError(
+                f"{name}: unknown setting {key!r} (from the environment); known: {', '.join(sorted(known))}"
+            )
+        values[key] = _text_value(key, text, name)
+        sources[key] = name
+    return Layered(values, sources)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m agent",
+        description="llmgw node agent: registers this node with the control plane and supervises engines.",
+    )
+    parser.add_argument(
+        "--config", type=Path, help=f"TOML config file (default {DEFAULT_CONFIG} when present)"
+    )
+    for key in _field_names():
+        parser.add_argument(_flag(key), dest=key, default=None, metavar=key.upper())
+    return parser
+
+
+def _from_flags(ns: argparse.Namespace) -> Layered:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in _field_names():
+        text = getattr(ns, key, None)
+        if text is not None:
+            values[key] = _text_value(key, text, _flag(key))
+            sources[key] = _flag(key)
+    return Layered(values, sources)
+
+
+def _merge(*layers: Layered) -> Layered:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for layer in layers:
+        values.update(layer.values)
+        sources.update(layer.sources)
+    return Layered(values, sources)
+
+
+# -- structuring ---------------------------------------------------------------------------------
+
+
+def _converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    def structure_path(value: Any, _: type) -> Path:
+        if not isinstance(value, str | Path) or not str(value):
+            raise ValueError(f"expected a file path, got {value!r}")
+        return Path(value)
+
+    def structure_float(value: Any, _: type) -> float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number of seconds, got {value!r}")
+        return float(value)
+
+    def structure_int(value: Any, _: type) -> int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(value)
+
+    def structure_str(value: Any, _: type) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        return value
+
+    conv.register_structure_hook(Path, structure_path)
+    conv.register_structure_hook(float, structure_float)
+    conv.register_structure_hook(int, structure_int)
+    conv.register_structure_hook(str, structure_str)
+    conv.register_structure_hook(
+        AgentConfig,
+        make_dict_structure_fn(
+            AgentConfig, conv, _cattrs_forbid_extra_keys=True, hostname=override(omit=False)
+        ),
+    )
+    return conv
+
+
+def _describe(exc: BaseException, layered: Layered) -> list[str]:
+    problems: list[str] = []
+
+    def explain(err: BaseException, type_: Any) -> str:
+        # A validator's own words say more than cattrs' generic "invalid value".
+        if (
+            isinstance(err, ValueError)
+            and str(err)
+            and not str(err).startswith(("could not convert", "invalid literal"))
+        ):
+            return str(err)
+        if typing.get_origin(type_) is Literal:
+            return f"expected one of {', '.join(map(str, typing.get_args(type_)))}"
+        return format_exception(err, type_)
+
+    for message in cattrs.transform_error(exc, path="$", format_exception=explain):
+        # "invalid value for type, expected float @ $.heartbeat_interval"
+        text, _, path = message.rpartition(" @ ")
+        key_path = path.removeprefix("$.").removeprefix("$")
+        top = re.split(r"[.\[]", key_path, maxsplit=1)[0] if key_path else ""
+        if text.startswith("extra fields found"):
+            problems.append(
+                f"{text} ({_where(top, layered) if top else 'config'}); known: {', '.join(_field_names())}"
+            )
+            continue
+        if "required field missing" in text:
+            flag = _flag(top)
+            problems.append(
+                f"{top}: required, and not set (give {flag}, {ENV_PREFIX}{top.upper()} or {top} = ... in the file)"
+            )
+            continue
+        if not top:
+            named = [k for k in _field_names() if re.search(rf"\b{k}\b", text)]
+            where = "; ".join(f"{k} {_where(k, layered)}" for k in named)
+            problems.append(f"{text} ({where})" if where else text)
+            continue
+        problems.append(f"{key_path}: {text} ({_where(top, layered)})")
+    return problems
+
+
+def _where(key: str, layered: Layered) -> str:
+    return f"from {layered.sources[key]}" if key in layered.sources else "default"
+
+
+def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
+    """Parse flags, read the environment and the TOML file, and structure the merged result."""
+    environ = os.environ if environ is None else environ
+    ns = build_parser().parse_args(argv)
+    path: Path | None = ns.config or (
+        Path(environ[ENV_PREFIX + "CONFIG"]) if ENV_PREFIX + "CONFIG" in environ else None
+    )
+    if path is None and DEFAULT_CONFIG.exists():
+        path = DEFAULT_CONFIG
+    file_layer = _from_file(path) if path else Layered({}, {})
+    layered = _merge(file_layer, _from_env(environ), _from_flags(ns))
+    unknown = sorted(set(layered.values) - set(_field_names()))
+    if unknown:
+        where = "; ".join(f"{k} ({_where(k, layered)})" for k in unknown)
+        raise ConfigError(f"unknown setting(s): {where}; known: {', '.join(_field_names())}")
+    conv = _converter()
+    try:
+        return conv.structure(layered.values, AgentConfig)
+    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        if isinstance(exc, cattrs.BaseValidationError):
+            problems = _describe(exc, layered)
+        else:
+            text = str(exc)
+            named = [k for k in _field_names() if re.search(rf"\b{k}\b", text)]
+            problems = [
+                f"{text} ({'; '.join(f'{k} {_where(k, layered)}' for k in named)})" if named else text
+            ]
+        raise ConfigError("invalid agent configuration:\n  " + "\n  ".join(problems)) from exc

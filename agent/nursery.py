@@ -1,0 +1,179 @@
+"""The agent's root nursery: discovery, the supervisor, and one session per connection attempt.
+
+::
+
+    agent root nursery
+    ├── supervisor service        owns every engine process; outlives every session
+    └── reconnect loop            jittered exponential backoff, forever
+        └── session nursery       one per connection attempt; cancelled as a whole on disconnect
+
+A fleet must not reconnect in lockstep after a control plane restart: thousands of agents retrying on
+the same schedule arrive as one wave, again and again. The delay is exponential in the number of
+failed attempts, capped, and jittered ("equal jitter": half fixed, half random), and the attempt
+counter resets after a session that got as far as a registered stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
+
+import trio
+
+import schema
+from agent import __version__
+from agent.config import AgentConfig
+from agent.discovery import Inventory, NvmlSession
+from agent.discovery.model import GpuUsage
+from agent.engines import LaunchContext
+from agent.session import Session, SessionResult
+from agent.supervise import Supervisor
+from agent.transport import ClientTLS, StreamOptions, TransportError, open_stream
+
+log = logging.getLogger("llmgw.agent")
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rand: float) -> float:
+    """Seconds to wait before connection attempt ``attempt`` + 1 (``rand`` uniform in [0, 1)).
+
+    Equal jitter: the exponential step is ``min(cap, base * 2**attempt)``; half of it is always
+    waited (no hammering at zero delay), the other half is spread at random across the fleet.
+    """
+    step = min(cap, base * 2.0 ** min(attempt, 62))
+    return step / 2 + rand * step / 2
+
+
+def mgmt_address(config: AgentConfig) -> str:
+    """The configured mgmt_addr, or the local address this node uses to reach the control plane."""
+    if config.mgmt_addr:
+        return config.mgmt_addr
+    parts = urlsplit(config.server)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((parts.hostname or "127.0.0.1", parts.port or 80))  # UDP: sends nothing
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def build_register(config: AgentConfig, inventory: Inventory, supervisor: Supervisor) -> schema.Register:
+    return schema.Register(
+        node_id=config.node_id,
+        hostname=config.hostname,
+        mgmt_addr=mgmt_address(config),
+        agent_version=__version__,
+        labels=dict(config.labels),
+        mgmt_interface=config.mgmt_interface,
+        gpus=[
+            schema.Gpu(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                compute_capability=f"{g.compute_capability[0]}.{g.compute_capability[1]}",
+                memory_total_mib=g.memory_total_mib,
+                memory_used_mib=g.memory_used_mib,
+                pci_bus_id=g.pci_bus_id,
+                nvlink_peers=list(g.nvlink_peers),
+                utilization_percent=g.utilization_percent,
+            )
+            for g in inventory.gpus
+        ],
+        fabrics=[schema.FabricAttachment(fabric=f.fabric, hca=f.hca, port=f.port) for f in config.fabrics],
+        cpu_count=inventory.cpu_count,
+        memory_total_mib=inventory.memory_total_mib,
+        engine_ports=schema.PortRange(first=config.engine_ports.first, last=config.engine_ports.last),
+        shards=supervisor.statuses(),
+        driver_version=inventory.driver_version,
+        cuda_version=inventory.cuda_version,
+        discovery_error=inventory.error,
+        token=config.token,
+    )
+
+
+def stream_options(config: AgentConfig) -> StreamOptions:
+    tls = None
+    if config.tls_ca or config.tls_cert:
+        tls = ClientTLS(ca_file=config.tls_ca, cert_file=config.tls_cert, key_file=config.tls_key)
+    metadata = {"x-llmgw-node": config.node_id}
+    # Keepalive well inside the heartbeat period: a dead peer is noticed before a beat is missed twice.
+    interval = max(min(config.heartbeat_interval * 2, 30.0), 1.0)
+    return StreamOptions(
+        protocol=config.protocol,
+        tls=tls,
+        keepalive_interval=interval,
+        keepalive_timeout=max(min(config.heartbeat_interval * 2, 20.0), 1.0),
+        metadata=metadata,
+    )
+
+
+def usage_reader(inventory: Inventory) -> Callable[[], Sequence[GpuUsage]]:
+    """Per-GPU usage for heartbeats: NVML when discovery used it, else the inventory's figures."""
+    if inventory.source == "nvml":
+        session = NvmlSession.open()
+        return session.usage
+    static = tuple(GpuUsage(index=g.index, memory_used_mib=g.memory_used_mib) for g in inventory.gpus)
+    return lambda: static
+
+
+async def run_agent(
+    config: AgentConfig,
+    inventory: Inventory,
+    *,
+    rng: random.Random | None = None,
+    task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The whole agent: the supervisor service and the reconnect loop, until cancelled."""
+    rng = rng or random.Random()
+
+    def launch_context(engine: str) -> LaunchContext:
+        return LaunchContext(
+            argv_prefix=config.engine_argv(engine),
+            host=config.engine_host,
+            mgmt_interface=config.mgmt_interface,
+            fabrics=config.fabrics,
+            gpus=inventory.gpus,
+            shutdown_timeout_seconds=config.stop_grace,
+        )
+
+    supervisor = Supervisor(
+        node_id=config.node_id,
+        state_dir=config.state_dir,
+        log_dir=config.logs,
+        gpus=inventory.gpus,
+        launch_context=launch_context,
+        stop_grace=config.stop_grace,
+    )
+    usage = usage_reader(inventory)
+    options = stream_options(config)
+    async with trio.open_nursery() as root:
+        await root.start(supervisor.run)
+        task_status.started(supervisor)
+        attempt = 0
+        while True:
+            result = SessionResult()
+            try:
+                async with open_stream(config.server, options) as stream:
+                    session = Session(
+                        stream,
+                        register=build_register(config, inventory, supervisor),
+                        supervisor=supervisor,
+                        heartbeat_interval=config.heartbeat_interval,
+                        usage=usage,
+                    )
+                    result = await session.run()
+            except (TransportError, OSError, trio.TooSlowError) as exc:
+                result.reason = f"{type(exc).__name__}: {exc}"
+            if result.registered:
+                attempt = 0
+            delay = backoff_delay(attempt, config.reconnect_base, config.reconnect_max, rng.random())
+            attempt += 1
+            log.warning(
+                "session with %s ended (%s); reconnecting in %.1f s",
+                config.server,
+                result.reason or "?",
+                delay,
+            )
+            await trio.sleep(delay)
