@@ -57,14 +57,19 @@ async def control_plane(stream: ServerStream) -> None:
     if first is None or first.register is None:
         return
     reg = first.register
-    say("control plane", f"{reg.node_id} registered over {stream.protocol}: {len(reg.gpus)}x {reg.gpus[0].name}")
+    say(
+        "control plane",
+        f"{reg.node_id} registered over {stream.protocol}: {len(reg.gpus)}x {reg.gpus[0].name}",
+    )
     await stream.send(
         schema.ControlMessage(message_id=1, ack=schema.Ack(message_id=first.message_id, ok=True))
     )
     start = schema.StartShard(
         shard_id=f"llama-70b-r0-{reg.node_id}",
         replica_id="llama-70b-r0",
-        profile=schema.EngineProfile(engine="vllm", model="meta-llama/Llama-3.1-70B-Instruct", tensor_parallel_size=8),
+        profile=schema.EngineProfile(
+            engine="vllm", model="meta-llama/Llama-3.1-70B-Instruct", tensor_parallel_size=8
+        ),
         gpu_indices=list(range(8)),
         http_port=8000,
     )
@@ -87,9 +92,13 @@ async def agent(node_id: str, url: str, protocol: str, heartbeats: int) -> None:
         command = await stream.receive()
         assert command is not None and command.start is not None
         say(node_id, f"StartShard {command.start.shard_id} on GPUs {list(command.start.gpu_indices)}")
-        await stream.send(schema.AgentMessage(message_id=2, ack=schema.Ack(message_id=command.message_id, ok=True)))
+        await stream.send(
+            schema.AgentMessage(message_id=2, ack=schema.Ack(message_id=command.message_id, ok=True))
+        )
         for i in range(heartbeats):
-            await stream.send(schema.AgentMessage(message_id=3 + i, heartbeat=schema.Heartbeat(node_id=node_id)))
+            await stream.send(
+                schema.AgentMessage(message_id=3 + i, heartbeat=schema.Heartbeat(node_id=node_id))
+            )
         await stream.close_send()
         assert await stream.receive() is None
         say(node_id, "stream closed cleanly")
