@@ -251,6 +251,24 @@ def test_agent_kill9_restart_adopts_engines(cp: GrpcioControlPlane, agent: Agent
     assert all(u.pid == pid for u in node2.shard_updates("keep-r0-s0"))
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
 
+    # The restarted agent keeps watching the adopted engine: its death is reported.
+    os.killpg(pid, signal.SIGKILL)
+    failed = wait_for("adopted shard FAILED", lambda: state_of(node2, "keep-r0-s0", State.FAILED))
+    assert "exit code unknown" in failed.error and "after it was ready" in failed.error
+
+
+def test_drain_stops_taking_work_then_stops(cp: GrpcioControlPlane, agent: AgentProcess) -> None:
+    node = registered(cp, "gpu07")
+    port = free_port()
+    node.send(start=start_spec("drain-r0-s0", port))
+    pid = wait_for("drain-r0-s0 READY", lambda: state_of(node, "drain-r0-s0", State.READY)).pid
+    drain_id = node.send(drain=schema.DrainShard(shard_id="drain-r0-s0", deadline_seconds=10))
+    wait_for("DRAINING", lambda: state_of(node, "drain-r0-s0", State.DRAINING))
+    assert node.acks()[drain_id].ok
+    stopped = wait_for("STOPPED after the drain", lambda: state_of(node, "drain-r0-s0", State.STOPPED))
+    assert stopped.exit_code == 0
+    wait_for("engine gone", lambda: not pid_alive(pid))
+
 
 def test_control_plane_outage_reconnects_while_engine_serves(
     cp: GrpcioControlPlane, agent: AgentProcess
