@@ -420,6 +420,14 @@ class StreamServer:
     # -- connections -----------------------------------------------------------------------------
 
     async def _handle_tcp(self, tcp: trio.SocketStream) -> None:
+        """One connection, fenced: nothing that happens on it may take the server down."""
+        try:
+            await self._handle_connection(tcp)
+        except Exception:
+            log.exception("connection from %s failed", _format_address(tcp))
+            await trio.aclose_forcefully(tcp)
+
+    async def _handle_connection(self, tcp: trio.SocketStream) -> None:
         try:
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
@@ -692,14 +700,10 @@ class StreamServer:
             with scope:
                 try:
                     await self.handler(st)
-                except RpcError as exc:
-                    code, message = exc.code, exc.message
-                except TransportError as exc:
-                    log.info("stream from %s ended: %s", st.peer.address, exc)
-                    code, message = Code.UNAVAILABLE, str(exc)
                 except Exception as exc:
-                    log.exception("handler failed on the stream from %s", st.peer.address)
-                    code, message = Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+                    # Whatever a handler raises (an ExceptionGroup from its own nursery included)
+                    # ends this stream with a status, and never reaches the connection or the server.
+                    code, message = _status_of(exc, st.peer.address)
             if scope.cancelled_caught and self._shutting_down:
                 code, message = Code.UNAVAILABLE, "server shutting down"
             with trio.CancelScope(shield=True), trio.move_on_after(5):
@@ -709,6 +713,27 @@ class StreamServer:
             self._scopes.discard(scope)
             if not self._streams:
                 self._idle.set()
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _status_of(exc: Exception, peer: str) -> tuple[Code, str]:
+    """The status a handler's exception ends its stream with: its own RpcError if it raised one,
+    UNAVAILABLE when the stream or connection failed under it, INTERNAL (logged) for a bug."""
+    leaves = _leaves(exc)
+    for leaf in leaves:
+        if isinstance(leaf, RpcError):
+            return leaf.code, leaf.message
+    if all(isinstance(leaf, TransportError | trio.Cancelled) for leaf in leaves):
+        log.info("stream from %s ended: %s", peer, "; ".join(map(str, leaves)))
+        return Code.UNAVAILABLE, "; ".join(str(leaf) for leaf in leaves if isinstance(leaf, TransportError))
+    log.error("handler failed on the stream from %s", peer, exc_info=exc)
+    first = next(leaf for leaf in leaves if not isinstance(leaf, TransportError | trio.Cancelled))
+    return Code.INTERNAL, f"internal error: {type(first).__name__}: {first}"
 
 
 class TransportErrorClosed(TransportError):

@@ -1,0 +1,232 @@
+"""The admin HTTP JSON API that ``ctl`` speaks: nodes, replicas, why, logs, drain.
+
+A small ASGI app served by hypercorn over HTTP/1.1 on the admin address (never on the agent port: the
+agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times are reported as
+"seconds ago" on the control plane's monotonic clock, the only clock liveness is judged on.
+
+    GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards
+    GET  /api/replicas              every placed replica and its shards' observed states
+    GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
+    GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
+    POST /api/drain/NODE            cordon NODE and move its replicas (replacements first)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, unquote
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+import schema
+
+if TYPE_CHECKING:
+    from control.plane import ControlPlane
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def nodes_doc(plane: ControlPlane) -> list[dict[str, Any]]:
+    now = plane.clock()
+    used: dict[str, set[int]] = {}
+    for replica in plane.placements:
+        for shard in replica.shards:
+            used.setdefault(shard.node_id, set()).update(shard.gpu_indices)
+    out = []
+    for node in sorted(plane.fleet.nodes.values(), key=lambda n: n.node_id):
+        reg = node.register
+        last = node.history[-1] if node.history else None
+        out.append(
+            {
+                "node_id": node.node_id,
+                "state": node.state.value,
+                "reason": last.reason if last else "",
+                "since_s": round(now - node.since, 1),
+                "connected": node.connected,
+                "draining": node.draining,
+                "heartbeat_age_s": round(now - node.last_heartbeat, 1),
+                "mgmt_addr": reg.mgmt_addr,
+                "gpus": len(reg.gpus),
+                "gpus_free": len(reg.gpus) - len(used.get(node.node_id, set())),
+                "gpu_model": reg.gpus[0].name if reg.gpus else "",
+                "fabrics": sorted({f.fabric for f in reg.fabrics}),
+                "labels": dict(reg.labels),
+                "discovery_error": reg.discovery_error,
+                "shards": sorted(node.shards),
+                "history": [
+                    {
+                        "at_s_ago": round(now - t.at, 1),
+                        "from": t.old.value if t.old else "",
+                        "to": t.new.value,
+                        "reason": t.reason,
+                    }
+                    for t in node.history[-10:]
+                ],
+            }
+        )
+    return out
+
+
+def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
+    now = plane.clock()
+    out = []
+    for replica in plane.placements:
+        shards = []
+        for shard in replica.shards:
+            node = plane.fleet.nodes.get(shard.node_id)
+            status = node.shards.get(shard.shard_id) if node else None
+            retry = plane.reconciler.retry_at(shard.node_id, shard.shard_id)
+            shards.append(
+                {
+                    "shard_id": shard.shard_id,
+                    "node_id": shard.node_id,
+                    "node_state": node.state.value if node else "unknown",
+                    "state": schema.ShardState(status.state).name.lower() if status else "pending",
+                    "gpus": list(shard.gpu_indices),
+                    "port": shard.port,
+                    "url": f"http://{node.register.mgmt_addr}:{shard.port}" if node else "",
+                    "node_rank": shard.node_rank,
+                    "nnodes": shard.nnodes,
+                    "master": f"{shard.master_addr}:{shard.master_port}" if shard.nnodes > 1 else "",
+                    "error": status.error if status else "",
+                    "exit_code": status.exit_code if status else None,
+                    "failures": plane.reconciler.failures(shard.node_id, shard.shard_id),
+                    "retry_in_s": round(max(retry - now, 0.0), 1) if retry else None,
+                }
+            )
+        ready = all(s["state"] == "ready" for s in shards)
+        out.append(
+            {
+                "model": replica.model,
+                "replica_id": replica.replica_id,
+                "served_model_name": plane.models[replica.model].served_name
+                if replica.model in plane.models
+                else "",
+                "fabric": replica.fabric,
+                "state": "ready" if ready else "not ready",
+                "shards": shards,
+            }
+        )
+    return out
+
+
+def why_doc(plane: ControlPlane, model: str) -> dict[str, Any]:
+    if model not in plane.models:
+        raise ApiError(
+            404, f"no model {model!r} in the catalog; models: {', '.join(sorted(plane.models)) or 'none'}"
+        )
+    cfg = plane.models[model]
+    placed = [r for r in replicas_doc(plane) if r["model"] == model]
+    unplaced = [
+        {"replica_id": u.replica_id, "reason": u.reason, "per_node": dict(u.per_node)}
+        for u in plane.plan.unplaced
+        if u.model == model
+    ]
+    return {"model": model, "replicas_wanted": cfg.replicas, "placed": placed, "unplaced": unplaced}
+
+
+async def logs_doc(plane: ControlPlane, shard_id: str, lines: int) -> dict[str, Any]:
+    holders = [n for n in plane.fleet.nodes.values() if shard_id in n.shards]
+    holders += [
+        plane.fleet.nodes[s.node_id]
+        for r in plane.placements
+        for s in r.shards
+        if s.shard_id == shard_id and s.node_id in plane.fleet.nodes
+    ]
+    if not holders:
+        raise ApiError(404, f"no shard {shard_id!r} is placed or reported on any node")
+    errors = []
+    for node in dict.fromkeys(holders):
+        try:
+            reply = await plane.agents.request_logs(node.node_id, shard_id, lines)
+        except LookupError as exc:
+            errors.append(str(exc))
+            continue
+        if reply.error:
+            errors.append(reply.error)
+            continue
+        return {"shard_id": shard_id, "node_id": node.node_id, "lines": list(reply.lines)}
+    raise ApiError(503, f"logs of {shard_id} unavailable: {'; '.join(errors)}")
+
+
+def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                event = await receive()
+                if event["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif event["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], unquote(scope["path"])
+        query = parse_qs(scope.get("query_string", b"").decode())
+        parts = [p for p in path.split("/") if p]
+        status: int = 200
+        body: Any = None
+        try:
+            if parts == ["healthz"]:
+                body = {"ok": True}
+            elif method == "GET" and parts == ["api", "nodes"]:
+                body = nodes_doc(plane)
+            elif method == "GET" and parts == ["api", "replicas"]:
+                body = replicas_doc(plane)
+            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "why"]:
+                body = why_doc(plane, parts[2])
+            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "logs"]:
+                lines = int(query.get("lines", ["100"])[0])
+                body = await logs_doc(plane, parts[2], lines)
+            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
+                try:
+                    plane.drain_node(parts[2])
+                except KeyError as exc:
+                    raise ApiError(404, str(exc.args[0])) from exc
+                body = {"node_id": parts[2], "draining": True}
+            else:
+                raise ApiError(404, f"no route {method} {path}")
+        except ApiError as exc:
+            status, body = exc.status, {"error": str(exc)}
+        except ValueError as exc:
+            status, body = 400, {"error": str(exc)}
+        data = json.dumps(body, indent=2).encode() + b"\n"
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+async def serve_api(
+    plane: ControlPlane, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the admin API; reports the bound port."""
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.h2_max_concurrent_streams = 0
+    async with trio.open_nursery() as nursery:
+        urls: list[str] = await nursery.start(serve, make_app(plane), config)
+        task_status.started(int(urls[0].rsplit(":", 1)[1]))

@@ -1,0 +1,142 @@
+"""The fleet: node inventory and liveness, judged on the control plane's own monotonic clock.
+
+A sans-IO state machine in h11's shape: events in (``registered``, ``heartbeat``, ``disconnected``,
+``tick``), transitions out, ``now`` always passed in. Timestamps from nodes are never trusted for
+liveness: a node whose clock is wrong must not look alive or dead because of it.
+
+States: ``ready`` -> ``unreachable`` (its stream closed, or no heartbeat within unreachable_after) ->
+``lost`` (unreachable for lost_after), and back to ``ready`` when it registers again. An unreachable
+node keeps its placements (its engines may well still be serving: the router talks to them directly);
+only a lost node gives them up. Every transition is recorded with its reason and time for ``ctl``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+import schema
+
+
+class NodeState(enum.StrEnum):
+    READY = "ready"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+
+
+@attrs.frozen
+class Transition:
+    node_id: str
+    old: NodeState | None
+    new: NodeState
+    at: float
+    reason: str
+
+
+@attrs.define
+class Node:
+    node_id: str
+    register: schema.Register
+    state: NodeState
+    since: float
+    last_heartbeat: float
+    connected: bool = True
+    #: GPU index -> (memory used MiB, utilization %), from the latest heartbeat.
+    usage: dict[int, tuple[int, int]] = attrs.field(factory=dict)
+    #: What the agent last said about each shard on this node.
+    shards: dict[str, schema.ShardStatus] = attrs.field(factory=dict)
+    history: list[Transition] = attrs.field(factory=list)
+    draining: bool = False
+    #: When an unreachable node becomes lost (the control plane's monotonic clock).
+    lost_deadline: float = 0.0
+
+
+@attrs.define
+class Fleet:
+    unreachable_after: float
+    lost_after: float
+    nodes: dict[str, Node] = attrs.field(factory=dict)
+
+    def _move(self, node: Node, new: NodeState, now: float, reason: str) -> Transition:
+        t = Transition(node.node_id, node.state if node.history else None, new, now, reason)
+        node.state, node.since = new, now
+        if new is NodeState.UNREACHABLE:
+            node.lost_deadline = now + self.lost_after
+        node.history.append(t)
+        del node.history[:-50]  # enough for `ctl`, bounded for a node that flaps for weeks
+        return t
+
+    def registered(self, register: schema.Register, now: float) -> list[Transition]:
+        """A node (re)registered: it is ready, and its shard list replaces what we knew."""
+        node = self.nodes.get(register.node_id)
+        shards = {s.shard_id: s for s in register.shards}
+        if node is None:
+            node = Node(register.node_id, register, NodeState.READY, now, now, shards=shards)
+            self.nodes[register.node_id] = node
+            return [self._move(node, NodeState.READY, now, "registered")]
+        node.register, node.shards = register, shards
+        node.connected, node.last_heartbeat = True, now
+        if node.state is NodeState.READY:
+            return []
+        return [self._move(node, NodeState.READY, now, f"registered again after being {node.state.value}")]
+
+    def heartbeat(self, node_id: str, beat: schema.Heartbeat, now: float) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        node.last_heartbeat = now
+        node.usage = {g.index: (g.memory_used_mib, g.utilization_percent) for g in beat.gpus}
+
+    def shard_status(self, node_id: str, status: schema.ShardStatus) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.shards[status.shard_id] = status
+
+    def disconnected(self, node_id: str, now: float, reason: str) -> list[Transition]:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return []
+        node.connected = False
+        if node.state is NodeState.READY:
+            return [self._move(node, NodeState.UNREACHABLE, now, f"stream closed: {reason}")]
+        return []
+
+    def restore(self, registers: Iterable[schema.Register], now: float, grace: float) -> list[Transition]:
+        """After a control plane restart: nodes known before are unreachable until they re-register,
+        and are not lost before ``grace`` has passed (``since`` is set so that lost_after ends then)."""
+        out = []
+        for reg in registers:
+            node = Node(reg.node_id, reg, NodeState.UNREACHABLE, now, now, connected=False)
+            node.shards = {s.shard_id: s for s in reg.shards}
+            self.nodes[reg.node_id] = node
+            out.append(
+                self._move(node, NodeState.UNREACHABLE, now, "control plane restarted; awaiting re-register")
+            )
+            node.lost_deadline = now + grace
+        return out
+
+    def tick(self, now: float) -> list[Transition]:
+        """Apply the timeouts; call it periodically and after anything that may have changed."""
+        out = []
+        for node in self.nodes.values():
+            if node.state is NodeState.READY and now - node.last_heartbeat > self.unreachable_after:
+                silent = now - node.last_heartbeat
+                out.append(self._move(node, NodeState.UNREACHABLE, now, f"no heartbeat for {silent:.1f} s"))
+            elif node.state is NodeState.UNREACHABLE and now >= node.lost_deadline:
+                out.append(self._move(node, NodeState.LOST, now, f"unreachable for {now - node.since:.1f} s"))
+        return out
+
+    def next_deadline(self, now: float) -> float:
+        """When ``tick`` could next change something (so a caller can sleep until then)."""
+        deadlines = [now + 60.0]
+        for node in self.nodes.values():
+            if node.state is NodeState.READY:
+                deadlines.append(node.last_heartbeat + self.unreachable_after)
+            elif node.state is NodeState.UNREACHABLE:
+                deadlines.append(node.lost_deadline)
+        return min(deadlines)
+
+    def registers(self) -> Mapping[str, schema.Register]:
+        return {n.node_id: n.register for n in self.nodes.values()}

@@ -1,0 +1,305 @@
+"""The control plane process: wires the fleet, placement, the reconciler and the agent service.
+
+This is the one place with clocks and loops; the rooms it wires are pure (``placement.place``,
+``fleet.Fleet``, ``reconcile.Reconciler``) or own their I/O (``agentsvc``, ``transport``, ``api``).
+
+What survives a control plane restart is written to ``state_dir/control-state.json``: the nodes it
+knew (their last Register) and the placements. A restarted control plane therefore treats every known
+node as unreachable-until-it-re-registers with ``startup_grace`` before it may be declared lost, keeps
+every placement (an unreachable node keeps its placements), and so starts nothing twice. Even without
+that file, shards that registering agents report are adopted into placements rather than started anew.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import cattrs
+import trio
+
+import schema
+from control.agentsvc import AgentService
+from control.config import ControlConfig, Listen, ModelConfig
+from control.fleet import Fleet, NodeState, Transition
+from control.placement import (
+    GpuView,
+    ModelSpec,
+    NodeView,
+    Plan,
+    ReplicaPlacement,
+    ShardAssignment,
+    place,
+)
+from control.reconcile import Drain, Reconciler, Start, Stop
+from control.transport import ServerLimits, ServerTLS, StreamServer
+
+log = logging.getLogger("llmgw.control")
+State = schema.ShardState
+
+
+def _cc(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    try:
+        return int(major or 0), int(minor or 0)
+    except ValueError:
+        return (0, 0)
+
+
+def model_name_of(replica_id: str) -> str:
+    """``llama-70b-r1`` -> ``llama-70b`` (replica ids are ``{model}-r{index}``)."""
+    return replica_id.rsplit("-r", 1)[0]
+
+
+class ControlPlane:
+    def __init__(self, config: ControlConfig, clock: Callable[[], float] = trio.current_time) -> None:
+        self.config = config
+        self.clock = clock
+        self.models: dict[str, ModelConfig] = {m.name: m for m in config.models}
+        live = config.liveness
+        self.fleet = Fleet(live.unreachable_after, live.lost_after)
+        self.agents = AgentService(
+            self.fleet,
+            tokens=config.tokens,
+            clock=clock,
+            on_change=self.poke,
+            on_transitions=self._transitions,
+        )
+        self.reconciler = Reconciler(
+            backoff_initial=config.backoff_initial,
+            backoff_max=config.backoff_max,
+            backoff_reset_after=config.backoff_reset_after,
+            stop_grace=config.stop_grace,
+            drain_deadline=config.drain_deadline,
+        )
+        self.placements: tuple[ReplicaPlacement, ...] = ()
+        self.plan = Plan((), ())
+        self.state_file = config.state_dir / "control-state.json"
+        self.agent_port = 0
+        self.api_port = 0
+        self._wake = trio.Event()
+        self._converter = cattrs.Converter()
+
+    # -- events -------------------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Something changed: run the reconciler soon."""
+        self._wake.set()
+
+    def _transitions(self, transitions: list[Transition]) -> None:
+        for t in transitions:
+            log.info(
+                "node %s: %s -> %s (%s)", t.node_id, t.old.value if t.old else "-", t.new.value, t.reason
+            )
+        if transitions:
+            self.poke()
+
+    def drain_node(self, node_id: str) -> None:
+        node = self.fleet.nodes.get(node_id)
+        if node is None:
+            raise KeyError(f"no node {node_id!r}")
+        node.draining = True
+        log.info("node %s: draining (cordoned; replicas move elsewhere)", node_id)
+        self.poke()
+
+    # -- desired state ------------------------------------------------------------------------------
+
+    def model_specs(self) -> list[ModelSpec]:
+        return [
+            ModelSpec(
+                name=m.name,
+                replicas=m.replicas,
+                gpus_per_shard=m.gpus.count,
+                min_gpu_memory_mib=int(m.gpus.min_memory_gib * 1024),
+                min_compute_capability=m.gpus.compute_capability,
+                selector=dict(m.selector),
+                nodes_per_replica=m.nodes_per_replica,
+            )
+            for m in self.config.models
+        ]
+
+    def node_views(self) -> list[NodeView]:
+        first, last = self.config.engines.port_range
+        views = []
+        for node in self.fleet.nodes.values():
+            reg = node.register
+            # The control plane's engine ports, within what the node offers; first > last: none.
+            lo = max(first, reg.engine_ports.first if reg.engine_ports else first)
+            hi = min(last, reg.engine_ports.last if reg.engine_ports and reg.engine_ports.last else last)
+            views.append(
+                NodeView(
+                    node_id=node.node_id,
+                    state=node.state.value,
+                    gpus=tuple(
+                        GpuView(
+                            g.index, g.memory_total_mib, _cc(g.compute_capability), frozenset(g.nvlink_peers)
+                        )
+                        for g in reg.gpus
+                    ),
+                    labels=dict(reg.labels),
+                    fabrics=frozenset(f.fabric for f in reg.fabrics),
+                    mgmt_addr=reg.mgmt_addr,
+                    port_range=(lo, hi),
+                    draining=node.draining,
+                )
+            )
+        return views
+
+    def _adopted(self) -> list[ReplicaPlacement]:
+        """Placements for live shards agents report that no placement knows (e.g. lost state file)."""
+        known = {(s.node_id, s.shard_id) for r in self.placements for s in r.shards}
+        by_replica: dict[str, list[ShardAssignment]] = {}
+        for node in self.fleet.nodes.values():
+            for st in node.shards.values():
+                if st.state not in (State.STARTING, State.READY) or (node.node_id, st.shard_id) in known:
+                    continue
+                spec = st.spec
+                if spec is None or model_name_of(st.replica_id) not in self.models:
+                    continue
+                by_replica.setdefault(st.replica_id, []).append(
+                    ShardAssignment(
+                        shard_id=st.shard_id,
+                        node_id=node.node_id,
+                        gpu_indices=tuple(spec.gpu_indices),
+                        port=spec.http_port,
+                        node_rank=spec.node_rank,
+                        nnodes=max(spec.nnodes, 1),
+                        master_addr=spec.master_addr,
+                        master_port=spec.master_port,
+                    )
+                )
+        existing = {r.replica_id for r in self.placements}
+        return [
+            ReplicaPlacement(model_name_of(rid), rid, tuple(sorted(shards, key=lambda s: s.node_rank)))
+            for rid, shards in sorted(by_replica.items())
+            if rid not in existing
+        ]
+
+    def replan(self) -> Plan:
+        draining = {n.node_id for n in self.fleet.nodes.values() if n.draining}
+        current = [
+            r
+            for r in (*self.placements, *self._adopted())
+            if not any(s.node_id in draining for s in r.shards)
+        ]
+        self.plan = place(self.model_specs(), self.node_views(), current)
+        self.placements = self.plan.replicas
+        return self.plan
+
+    def start_spec(self, replica: ReplicaPlacement, shard: ShardAssignment) -> schema.StartShard:
+        model = self.models[replica.model]
+        return schema.StartShard(
+            shard_id=shard.shard_id,
+            replica_id=replica.replica_id,
+            profile=model.profile.to_proto(),
+            gpu_indices=list(shard.gpu_indices),
+            http_port=shard.port,
+            ready_timeout_seconds=model.ready_timeout,
+            nnodes=shard.nnodes,
+            node_rank=shard.node_rank,
+            master_addr=shard.master_addr,
+            master_port=shard.master_port,
+        )
+
+    def reconcile_once(self) -> None:
+        now = self.clock()
+        self._transitions(self.fleet.tick(now))
+        plan = self.replan()
+        specs = {s.shard_id: self.start_spec(r, s) for r in plan.replicas for s in r.shards}
+        for command in self.reconciler.step(plan, self.fleet.nodes, specs, now):
+            if isinstance(command, Start):
+                log.info("start %s on %s", command.spec.shard_id, command.node_id)
+                self.agents.send(command.node_id, start=command.spec)
+            elif isinstance(command, Stop):
+                log.info("stop %s on %s", command.shard_id, command.node_id)
+                self.agents.send(
+                    command.node_id,
+                    stop=schema.StopShard(shard_id=command.shard_id, grace_seconds=command.grace),
+                )
+            elif isinstance(command, Drain):
+                log.info("drain %s on %s", command.shard_id, command.node_id)
+                self.agents.send(
+                    command.node_id,
+                    drain=schema.DrainShard(shard_id=command.shard_id, deadline_seconds=command.deadline),
+                )
+        live = [(s.node_id, s.shard_id) for r in plan.replicas for s in r.shards]
+        live += [(n.node_id, sid) for n in self.fleet.nodes.values() for sid in n.shards]
+        self.reconciler.forget(live)
+        self.save()
+
+    # -- persistence --------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        doc = {
+            "nodes": {
+                n.node_id: base64.b64encode(bytes(n.register)).decode()
+                for n in self.fleet.nodes.values()
+                if n.state is not NodeState.LOST
+            },
+            "placements": self._converter.unstructure(list(self.placements)),
+        }
+        text = json.dumps(doc, sort_keys=True)
+        if getattr(self, "_saved", None) == text:
+            return
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.state_file)
+        self._saved = text
+
+    def restore(self) -> None:
+        try:
+            doc: dict[str, Any] = json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("%s: unreadable (%s); starting with no memory of the fleet", self.state_file, exc)
+            return
+        registers = [schema.Register.parse(base64.b64decode(v)) for v in doc.get("nodes", {}).values()]
+        self._transitions(self.fleet.restore(registers, self.clock(), self.config.liveness.grace))
+        self.placements = tuple(self._converter.structure(doc.get("placements", []), list[ReplicaPlacement]))
+        log.info(
+            "restored %d node(s) and %d placement(s) from %s",
+            len(registers),
+            len(self.placements),
+            self.state_file,
+        )
+
+    # -- the service --------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED) -> None:
+        from control.api import serve_api
+
+        self.restore()
+        tls = None
+        if self.config.tls is not None:
+            t = self.config.tls
+            tls = ServerTLS(t.cert, t.key, client_ca=t.client_ca, require_client_cert=t.require_client_cert)
+        server = StreamServer(self.agents.handle, tls=tls, limits=ServerLimits(max_streams=50_000))
+        host, port = Listen.split(self.config.listen.agents)
+        api_host, api_port = Listen.split(self.config.listen.api)
+        async with trio.open_nursery() as nursery:
+            self.agent_port = await nursery.start(server.serve, host, port)
+            self.api_port = await nursery.start(serve_api, self, api_host, api_port)
+            nursery.start_soon(self._reconcile_loop)
+            task_status.started(self)
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            self._wake = trio.Event()
+            try:
+                self.reconcile_once()
+            except Exception:
+                log.exception("reconcile pass failed; retrying")
+            now = self.clock()
+            wait = min(self.config.reconcile_interval, max(self.fleet.next_deadline(now) - now, 0.05))
+            with trio.move_on_after(wait):
+                await self._wake.wait()
+            await trio.sleep(0.05)  # coalesce bursts of changes (a registering fleet) into one pass
+
+
+__all__ = ["ControlPlane", "model_name_of"]

@@ -1,0 +1,194 @@
+"""Desired (the placement plan) against observed (what agents report) -> commands.
+
+A sans-IO decision maker: ``step(plan, nodes, now)`` returns the commands to send and remembers only
+what it needs to be idempotent and to back off, never a socket or a clock of its own. Running it twice
+on the same input sends nothing new, so it can run on every change and on a timer alike.
+
+- A placed shard that its ready node does not report live is started (once; again only if the start
+  went unanswered for ``start_timeout``).
+- A shard that keeps failing is restarted with crash-loop backoff: 10 s, doubling to 5 min, reset after
+  it stays ready for 10 min, so a model that cannot load does not hammer the node or its storage.
+- A live shard that no placement wants is stopped. A shard that a draining node still runs is drained
+  only once its replacement elsewhere is ready (replacements first), then stopped by the deadline.
+- Shards reported by a registering agent count as observed: after a control plane restart they are
+  adopted (the placement keeps them) rather than started again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+import schema
+from control.fleet import Node, NodeState
+from control.placement import Plan, ReplicaPlacement, ShardAssignment
+
+State = schema.ShardState
+LIVE = (State.STARTING, State.READY, State.DRAINING)
+
+
+@attrs.frozen
+class Start:
+    node_id: str
+    spec: schema.StartShard
+
+
+@attrs.frozen
+class Stop:
+    node_id: str
+    shard_id: str
+    grace: float
+
+
+@attrs.frozen
+class Drain:
+    node_id: str
+    shard_id: str
+    deadline: float
+
+
+Command = Start | Stop | Drain
+
+
+@attrs.define
+class _ShardMemory:
+    started_at: float | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    last_failure: tuple[int, int | None, str] | None = None
+    ready_since: float | None = None
+    drained: bool = False
+    stop_sent_at: float | None = None
+
+
+@attrs.define
+class Reconciler:
+    """See the module docstring; ``specs`` builds a StartShard for a placed shard."""
+
+    backoff_initial: float = 10.0
+    backoff_max: float = 300.0
+    backoff_reset_after: float = 600.0
+    start_timeout: float = 30.0
+    stop_grace: float = 30.0
+    drain_deadline: float = 60.0
+    memory: dict[tuple[str, str], _ShardMemory] = attrs.field(factory=dict)
+
+    def backoff(self, failures: int) -> float:
+        return float(min(self.backoff_max, self.backoff_initial * 2 ** max(failures - 1, 0)))
+
+    def retry_at(self, node_id: str, shard_id: str) -> float | None:
+        """When a crash-looping shard may next be started (for ``ctl replicas``), or ``None``."""
+        mem = self.memory.get((node_id, shard_id))
+        return mem.retry_at if mem and mem.failures else None
+
+    def failures(self, node_id: str, shard_id: str) -> int:
+        mem = self.memory.get((node_id, shard_id))
+        return mem.failures if mem else 0
+
+    def step(
+        self,
+        plan: Plan,
+        nodes: Mapping[str, Node],
+        specs: Mapping[str, schema.StartShard],
+        now: float,
+    ) -> list[Command]:
+        commands: list[Command] = []
+        wanted: set[tuple[str, str]] = set()
+        replica_ready = {r.replica_id: _replica_ready(r, nodes) for r in plan.replicas}
+        for replica in plan.replicas:
+            for shard in replica.shards:
+                key = (shard.node_id, shard.shard_id)
+                wanted.add(key)
+                node = nodes.get(shard.node_id)
+                if node is None or node.state is not NodeState.READY:
+                    continue  # cannot deliver now; unreachable nodes keep their placements
+                commands.extend(self._want(node, shard, specs[shard.shard_id], now))
+        for node in nodes.values():
+            if node.state is not NodeState.READY:
+                continue
+            for status in node.shards.values():
+                key = (node.node_id, status.shard_id)
+                if key in wanted or status.state not in LIVE:
+                    continue
+                commands.extend(self._unwanted(node, status, replica_ready, now))
+        return commands
+
+    def _want(self, node: Node, shard: ShardAssignment, spec: schema.StartShard, now: float) -> list[Command]:
+        mem = self.memory.setdefault((node.node_id, shard.shard_id), _ShardMemory())
+        observed = node.shards.get(shard.shard_id)
+        state = observed.state if observed is not None else None
+        if observed is not None and state in LIVE and _differs(observed.spec, spec):
+            # Same shard id, new shape (GPUs, port, profile changed in the catalog): replace it.
+            if mem.stop_sent_at is None or now - mem.stop_sent_at >= self.stop_grace + self.start_timeout:
+                mem.stop_sent_at = now
+                return [Stop(node.node_id, shard.shard_id, self.stop_grace)]
+            return []
+        if state == State.READY:
+            mem.started_at = None
+            mem.ready_since = mem.ready_since if mem.ready_since is not None else now
+            if mem.failures and now - mem.ready_since >= self.backoff_reset_after:
+                mem.failures, mem.retry_at = 0, 0.0
+            return []
+        mem.ready_since = None
+        if state in (State.STARTING, State.DRAINING):
+            mem.started_at = None
+            return []
+        if state == State.FAILED and observed is not None:
+            failure = (observed.pid, observed.exit_code, observed.error)
+            if failure != mem.last_failure:
+                mem.last_failure = failure
+                mem.failures += 1
+                mem.retry_at = now + self.backoff(mem.failures)
+                mem.started_at = None
+            if now < mem.retry_at:
+                return []
+        if mem.started_at is not None and now - mem.started_at < self.start_timeout:
+            return []  # a start is on its way; do not send another before the agent answers
+        mem.started_at = now
+        return [Start(node.node_id, spec)]
+
+    def _unwanted(
+        self, node: Node, status: schema.ShardStatus, replica_ready: Mapping[str, bool], now: float
+    ) -> list[Command]:
+        mem = self.memory.setdefault((node.node_id, status.shard_id), _ShardMemory())
+        if node.draining and status.state != State.DRAINING:
+            # Replacements first: drain only once the replica runs ready elsewhere (or cannot).
+            if replica_ready.get(status.replica_id, True) and not mem.drained:
+                mem.drained = True
+                return [Drain(node.node_id, status.shard_id, self.drain_deadline)]
+            return []
+        if node.draining:
+            return []  # the agent stops it by the drain deadline
+        if mem.stop_sent_at is not None and now - mem.stop_sent_at < self.stop_grace + self.start_timeout:
+            return []
+        mem.stop_sent_at = now
+        return [Stop(node.node_id, status.shard_id, self.stop_grace)]
+
+    def forget(self, live_keys: Sequence[tuple[str, str]]) -> None:
+        """Drop memory of shards neither placed nor observed any more (bounded memory over months)."""
+        keep = set(live_keys)
+        for key in [k for k in self.memory if k not in keep]:
+            del self.memory[key]
+
+
+def _differs(running: schema.StartShard | None, wanted: schema.StartShard) -> bool:
+    """Whether a running shard's spec is not the one wanted (ready timeout aside)."""
+    if running is None:
+        return False
+    return (
+        list(running.gpu_indices) != list(wanted.gpu_indices)
+        or running.http_port != wanted.http_port
+        or running.profile != wanted.profile
+        or (running.nnodes, running.node_rank, running.master_addr, running.master_port)
+        != (wanted.nnodes, wanted.node_rank, wanted.master_addr, wanted.master_port)
+    )
+
+
+def _replica_ready(replica: ReplicaPlacement, nodes: Mapping[str, Node]) -> bool:
+    for shard in replica.shards:
+        node = nodes.get(shard.node_id)
+        status = node.shards.get(shard.shard_id) if node else None
+        if status is None or status.state != State.READY:
+            return False
+    return True

@@ -1,0 +1,307 @@
+"""The control plane with three real agents and real ``sim`` engines (profiles through the vLLM adapter).
+
+Layout A: gpu01 (8 GPUs) and gpu02 (4 GPUs) on fabric ib-a, gpu03 (8 GPUs) on ib-b. Each agent has its
+own loopback address as mgmt_addr (127.0.0.1-3), so master addresses and engine URLs are checkable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trustme
+
+from tests.fleet_procs import Agent, ControlProcess, free_port, pid_alive, poll, sim_processes
+
+CHAT = "chat-{tag}"
+BIG = "big-{tag}"
+
+
+def catalog(tag: str, state_dir: Path, extra: str = "", chat_extra: str = "") -> str:
+    return f"""
+state_dir = "{state_dir}"
+reconcile_interval = 0.3
+backoff_initial = 0.5
+stop_grace = 3
+drain_deadline = 5
+[engines]
+ports = "20000-29999"
+[listen]
+agents = "127.0.0.1:{free_port()}"
+api = "127.0.0.1:0"
+[liveness]
+unreachable_after = 1.5
+lost_after = 4.0
+startup_grace = 8.0
+{extra}
+[[models]]
+name = "{BIG.format(tag=tag)}"
+replicas = 1
+nodes_per_replica = 2
+[models.gpus]
+count = 8
+min_memory_gib = 70
+min_compute_capability = "9.0"
+[models.profile]
+engine = "vllm"
+model = "meta-llama/Llama-3.1-405B-Instruct"
+served_model_name = "{BIG.format(tag=tag)}"
+tensor_parallel_size = 8
+pipeline_parallel_size = 2
+dtype = "bfloat16"
+env = {{ LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
+
+[[models]]
+name = "{CHAT.format(tag=tag)}"
+replicas = 2
+{chat_extra}
+[models.gpus]
+count = 2
+[models.profile]
+engine = "vllm"
+model = "meta-llama/Llama-3.1-8B-Instruct"
+served_model_name = "{CHAT.format(tag=tag)}"
+tensor_parallel_size = 2
+dtype = "bfloat16"
+env = {{ LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
+"""
+
+
+class Fleet:
+    def __init__(
+        self,
+        tmp: Path,
+        tag: str,
+        layout: list[tuple[str, str, str, str]],
+        extra: str = "",
+        chat_extra: str = "",
+    ) -> None:
+        self.tag = tag
+        self.cp = ControlProcess(tmp / "cp", catalog(tag, tmp / "cp" / "state", extra, chat_extra))
+        self.layout = layout
+        self.tmp = tmp
+        self.agents: dict[str, Agent] = {}
+
+    def start(
+        self,
+        agent_extra: dict[str, tuple[str, ...]] | None = None,
+        scheme: str = "http",
+        only: set[str] | None = None,
+    ) -> None:
+        """Start the control plane (once) and the agents of the layout (or only those named)."""
+        if self.cp.proc is None:
+            self.cp.start()
+        for index, (node_id, inventory, fabric, addr) in enumerate(self.layout):
+            if node_id in self.agents or (only is not None and node_id not in only):
+                continue
+            # All "nodes" share this machine, so each gets its own engine port range.
+            first = 21000 + 100 * index
+            agent = Agent(
+                self.tmp / "agents",
+                node_id,
+                f"{scheme}://127.0.0.1:{self.cp.agent_port}",
+                inventory,
+                f"{fabric}:mlx5_0:1,{fabric}:mlx5_1:1",
+                addr,
+                extra=("--engine-ports", f"{first}-{first + 99}", *(agent_extra or {}).get(node_id, ())),
+            )
+            agent.start()
+            self.agents[node_id] = agent
+
+    def stop(self) -> None:
+        self.cp.terminate()
+        for agent in self.agents.values():
+            agent.stop_all()
+
+    def replicas(self, model: str) -> list[dict[str, object]]:
+        return [r for r in self.cp.api("/api/replicas") if r["model"] == model]
+
+    def ready_replicas(self, model: str, count: int) -> list[dict[str, object]] | None:
+        reps = [r for r in self.replicas(model) if r["state"] == "ready"]
+        return reps if len(reps) >= count else None
+
+
+LAYOUT_A = [
+    ("gpu01", "h100x8.toml", "ib-a", "127.0.0.1"),
+    ("gpu02", "h100x4.toml", "ib-a", "127.0.0.2"),
+    ("gpu03", "h100x8.toml", "ib-b", "127.0.0.3"),
+]
+
+
+@pytest.fixture
+def fleet_a(tmp_path: Path) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path, "a", LAYOUT_A)
+    fleet.start()
+    yield fleet
+    fleet.stop()
+
+
+def test_two_replicas_ready_and_a_cross_fabric_model_explained(fleet_a: Fleet) -> None:
+    chat = CHAT.format(tag="a")
+    big = BIG.format(tag="a")
+    ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
+    for replica in ready:
+        for shard in replica["shards"]:  # type: ignore[attr-defined]
+            answer = httpx.post(
+                f"{shard['url']}/v1/completions",
+                json={"model": chat, "prompt": "hi", "max_tokens": 4},
+                timeout=10,
+            )
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+    # The 16-GPU model needs two 8-GPU nodes on one fabric: gpu01 (ib-a) and gpu03 (ib-b) share none.
+    why = fleet_a.cp.ctl("why", big)
+    assert why.returncode == 0, why.stderr
+    assert "cannot run" in why.stdout and "fabric" in why.stdout
+    assert "gpu02" in why.stdout and "insufficient" in why.stdout.lower()
+    nodes = fleet_a.cp.ctl("nodes")
+    assert nodes.returncode == 0 and all(n in nodes.stdout for n in ("gpu01", "gpu02", "gpu03"))
+    assert "ready" in nodes.stdout
+    as_json = fleet_a.cp.ctl("--json", "replicas")
+    assert as_json.returncode == 0 and '"replica_id"' in as_json.stdout
+
+
+def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None:
+    chat = CHAT.format(tag="a")
+    ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
+    victim = ready[0]["shards"][0]["node_id"]  # type: ignore[index]
+    fleet_a.agents[victim].kill9()
+
+    def node_state(state: str) -> bool:
+        return any(n["node_id"] == victim and n["state"] == state for n in fleet_a.cp.api("/api/nodes"))
+
+    poll(f"{victim} unreachable", lambda: node_state("unreachable"))
+    poll(f"{victim} lost", lambda: node_state("lost"))
+
+    def moved() -> list[dict[str, object]] | None:
+        reps = fleet_a.ready_replicas(chat, 2)
+        if reps and all(s["node_id"] != victim for r in reps for s in r["shards"]):  # type: ignore[attr-defined]
+            return reps
+        return None
+
+    poll(f"{chat} placed off {victim} and ready", moved)
+    nodes = fleet_a.cp.ctl("nodes").stdout
+    assert "lost" in nodes and "unreachable for" in nodes
+
+
+def test_control_plane_restart_restarts_no_engine(fleet_a: Fleet) -> None:
+    chat = CHAT.format(tag="a")
+    poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
+    before = sim_processes(chat)
+    assert len(before) == 2
+    fleet_a.cp.kill9()
+    fleet_a.cp.start()
+    # Every node registers again with the new process.
+    poll(
+        "all three nodes ready again",
+        lambda: (
+            sorted(n["node_id"] for n in fleet_a.cp.api("/api/nodes") if n["state"] == "ready")
+            == ["gpu01", "gpu02", "gpu03"]
+        ),
+    )
+    poll(f"{chat} ready again", lambda: fleet_a.ready_replicas(chat, 2))
+    # Zero engines restarted, zero duplicates: the same two processes, and only they.
+    assert sim_processes(chat) == before
+    assert all(pid_alive(p) for p in before)
+
+
+def test_multinode_model_placed_on_a_shared_fabric(tmp_path: Path) -> None:
+    layout_b = [
+        ("gpu01", "h100x8.toml", "ib-a", "127.0.0.1"),
+        ("gpu04", "h100x8.toml", "ib-a", "127.0.0.4"),
+        ("gpu03", "h100x8.toml", "ib-b", "127.0.0.3"),
+    ]
+    # Placement keeps what it placed (no preemption): were a chat replica placed on an ib-a node
+    # before the other joined, no two free 8-GPU nodes would share a fabric. A selector keeps chat
+    # on gpu03, whatever order the nodes register in.
+    fleet = Fleet(tmp_path, "b", layout_b, chat_extra='selector = { pool = "small" }')
+    fleet.start(agent_extra={"gpu03": ("--labels", "pool=small")})
+    try:
+        big = BIG.format(tag="b")
+        replica = poll(f"{big} ready across two nodes", lambda: fleet.ready_replicas(big, 1))[0]
+        shards = sorted(replica["shards"], key=lambda s: s["node_rank"])  # type: ignore[arg-type,index]
+        assert replica["fabric"] == "ib-a"
+        assert {s["node_id"] for s in shards} == {"gpu01", "gpu04"}
+        assert [s["node_rank"] for s in shards] == [0, 1] and all(s["nnodes"] == 2 for s in shards)
+        leader_addr = "127.0.0.1" if shards[0]["node_id"] == "gpu01" else "127.0.0.4"
+        assert (
+            shards[0]["master"].startswith(f"{leader_addr}:") and shards[1]["master"] == shards[0]["master"]
+        )
+        # The engines got the rank flags and the NCCL environment.
+        for shard in shards:
+            agent = fleet.agents[shard["node_id"]]
+            pid = next(p for p in agent.engine_pids() if pid_alive(p))
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = dict(
+                kv.split(b"=", 1)
+                for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if b"=" in kv
+            )
+            rank = str(shard["node_rank"]).encode()
+            assert argv[argv.index(b"--node-rank") + 1] == rank and argv[argv.index(b"--nnodes") + 1] == b"2"
+            assert argv[argv.index(b"--master-addr") + 1] == leader_addr.encode()
+            assert (b"--headless" in argv) == (shard["node_rank"] == 1)
+            assert env[b"NCCL_SOCKET_IFNAME"] == b"lo" and env[b"GLOO_SOCKET_IFNAME"] == b"lo"
+            assert env[b"NCCL_IB_HCA"] == b"mlx5_0:1,mlx5_1:1"
+            assert env[b"CUDA_VISIBLE_DEVICES"] == b"0,1,2,3,4,5,6,7"
+    finally:
+        fleet.stop()
+
+
+def test_register_naming_another_node_than_its_certificate_is_refused(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca.cert_pem.write_to_path(pki / "ca.pem")
+    server = ca.issue_cert("127.0.0.1")
+    server.cert_chain_pems[0].write_to_path(pki / "server.pem")
+    server.private_key_pem.write_to_path(pki / "server.key")
+    for node in ("gpu01", "gpu03"):
+        cert = ca.issue_cert(f"{node}.nodes", common_name=node)
+        cert.cert_chain_pems[0].write_to_path(pki / f"{node}.pem")
+        cert.private_key_pem.write_to_path(pki / f"{node}.key")
+    tls = f"""[tls]
+cert = "{pki / "server.pem"}"
+key = "{pki / "server.key"}"
+client_ca = "{pki / "ca.pem"}"
+require_client_cert = true
+"""
+    layout = [("gpu01", "h100x8.toml", "ib-a", "127.0.0.1"), ("gpu02", "h100x4.toml", "ib-a", "127.0.0.2")]
+    fleet = Fleet(tmp_path, "c", layout, extra=tls)
+    creds = {
+        "gpu01": (
+            "--tls-ca",
+            str(pki / "ca.pem"),
+            "--tls-cert",
+            str(pki / "gpu01.pem"),
+            "--tls-key",
+            str(pki / "gpu01.key"),
+        ),
+        # gpu02 presents gpu03's certificate.
+        "gpu02": (
+            "--tls-ca",
+            str(pki / "ca.pem"),
+            "--tls-cert",
+            str(pki / "gpu03.pem"),
+            "--tls-key",
+            str(pki / "gpu03.key"),
+        ),
+    }
+    try:
+        fleet.start(agent_extra=creds, scheme="https")
+        poll(
+            "gpu01 registered over mutual TLS",
+            lambda: any(n["node_id"] == "gpu01" for n in fleet.cp.api("/api/nodes")),
+        )
+        poll(
+            "gpu02's refusal in its log",
+            lambda: (
+                "Register names node 'gpu02' but the client certificate is for gpu03"
+                in fleet.agents["gpu02"].log.read_text()
+            ),
+        )
+        assert "gpu02" not in [n["node_id"] for n in fleet.cp.api("/api/nodes")]
+        assert "refused a stream" in fleet.cp.log.read_text()
+    finally:
+        fleet.stop()
