@@ -119,7 +119,14 @@ def ctl(argv: Sequence[str]) -> int:
     except httpx.HTTPError as exc:
         print(f"ctl: cannot reach the control plane at {args.api}: {exc}", file=sys.stderr)
         return 2
-    doc = resp.json()
+    try:
+        doc = resp.json()
+    except ValueError:
+        print(
+            f"ctl: {args.api} answered HTTP {resp.status_code} without JSON: {resp.text[:200]}",
+            file=sys.stderr,
+        )
+        return 1
     if resp.status_code != 200:
         print(f"ctl: {doc.get('error', resp.text)}", file=sys.stderr)
         return 1

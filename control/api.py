@@ -14,6 +14,7 @@ agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times ar
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
@@ -26,6 +27,8 @@ import schema
 
 if TYPE_CHECKING:
     from control.plane import ControlPlane
+
+log = logging.getLogger("llmgw.control.api")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -138,26 +141,23 @@ def why_doc(plane: ControlPlane, model: str) -> dict[str, Any]:
 
 
 async def logs_doc(plane: ControlPlane, shard_id: str, lines: int) -> dict[str, Any]:
-    holders = [n for n in plane.fleet.nodes.values() if shard_id in n.shards]
-    holders += [
-        plane.fleet.nodes[s.node_id]
-        for r in plane.placements
-        for s in r.shards
-        if s.shard_id == shard_id and s.node_id in plane.fleet.nodes
-    ]
+    # Nodes that report the shard first, then those it is placed on; each asked once.
+    holders = [n.node_id for n in plane.fleet.nodes.values() if shard_id in n.shards]
+    holders += [s.node_id for r in plane.placements for s in r.shards if s.shard_id == shard_id]
+    holders = list(dict.fromkeys(holders))
     if not holders:
         raise ApiError(404, f"no shard {shard_id!r} is placed or reported on any node")
     errors = []
-    for node in dict.fromkeys(holders):
+    for node_id in holders:
         try:
-            reply = await plane.agents.request_logs(node.node_id, shard_id, lines)
+            reply = await plane.agents.request_logs(node_id, shard_id, lines)
         except LookupError as exc:
             errors.append(str(exc))
             continue
         if reply.error:
             errors.append(reply.error)
             continue
-        return {"shard_id": shard_id, "node_id": node.node_id, "lines": list(reply.lines)}
+        return {"shard_id": shard_id, "node_id": node_id, "lines": list(reply.lines)}
     raise ApiError(503, f"logs of {shard_id} unavailable: {'; '.join(errors)}")
 
 
@@ -202,6 +202,9 @@ def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[
             status, body = exc.status, {"error": str(exc)}
         except ValueError as exc:
             status, body = 400, {"error": str(exc)}
+        except Exception as exc:
+            log.exception("admin API: %s %s failed", method, path)
+            status, body = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
         data = json.dumps(body, indent=2).encode() + b"\n"
         await send(
             {

@@ -305,3 +305,27 @@ require_client_cert = true
         assert "refused a stream" in fleet.cp.log.read_text()
     finally:
         fleet.stop()
+
+
+def test_ctl_logs_and_drain_moves_replicas_first(fleet_a: Fleet) -> None:
+    chat = CHAT.format(tag="a")
+    ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
+    shard = ready[0]["shards"][0]  # type: ignore[index]
+    logs = fleet_a.cp.ctl("logs", shard["shard_id"], "-n", "50")
+    assert logs.returncode == 0, logs.stderr
+    assert "sim: ready on port" in logs.stdout  # the engine's own output, fetched over the stream
+
+    node = shard["node_id"]
+    old_pids = fleet_a.agents[node].engine_pids()
+    drained = fleet_a.cp.ctl("drain", node)
+    assert drained.returncode == 0 and "draining" in drained.stdout
+
+    def moved() -> list[dict[str, object]] | None:
+        reps = fleet_a.ready_replicas(chat, 2)
+        if reps and all(s["node_id"] != node for r in reps for s in r["shards"]):  # type: ignore[attr-defined]
+            return reps
+        return None
+
+    poll(f"{chat} ready off {node}", moved)
+    poll(f"the engines on {node} stopped", lambda: not any(pid_alive(p) for p in old_pids))
+    assert "(draining)" in fleet_a.cp.ctl("nodes").stdout

@@ -1,0 +1,178 @@
+"""Pure parts of the control plane: liveness transitions, reconciler decisions, config errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import schema
+from control.config import ConfigError, parse
+from control.fleet import Fleet, NodeState
+from control.placement import Plan, ReplicaPlacement, ShardAssignment
+from control.reconcile import Drain, Reconciler, Start, Stop
+
+State = schema.ShardState
+
+
+def reg(node_id: str, *shards: schema.ShardStatus) -> schema.Register:
+    return schema.Register(node_id=node_id, shards=list(shards))
+
+
+def test_liveness_ready_unreachable_lost_and_back() -> None:
+    fleet = Fleet(unreachable_after=15, lost_after=300)
+    assert [t.new for t in fleet.registered(reg("n1"), now=0)] == [NodeState.READY]
+    fleet.heartbeat("n1", schema.Heartbeat(node_id="n1"), now=10)
+    assert fleet.tick(now=24) == []
+    [t] = fleet.tick(now=25.5)
+    assert t.new is NodeState.UNREACHABLE and t.reason == "no heartbeat for 15.5 s"
+    assert fleet.tick(now=300) == []
+    [t] = fleet.tick(now=325.5)
+    assert t.new is NodeState.LOST and "unreachable for 300.0 s" in t.reason
+    [t] = fleet.registered(reg("n1"), now=400)
+    assert t.new is NodeState.READY and "after being lost" in t.reason
+    assert [h.new for h in fleet.nodes["n1"].history] == ["ready", "unreachable", "lost", "ready"]
+
+
+def test_closed_stream_is_unreachable_at_once() -> None:
+    fleet = Fleet(unreachable_after=15, lost_after=300)
+    fleet.registered(reg("n1"), now=0)
+    [t] = fleet.disconnected("n1", now=1, reason="eof")
+    assert t.new is NodeState.UNREACHABLE and "stream closed" in t.reason
+    assert fleet.nodes["n1"].lost_deadline == 301 and fleet.next_deadline(1) == 61
+
+
+def test_restart_grace_before_lost() -> None:
+    fleet = Fleet(unreachable_after=15, lost_after=300)
+    fleet.restore([reg("n1")], now=1000, grace=60)
+    assert fleet.nodes["n1"].state is NodeState.UNREACHABLE
+    assert fleet.tick(now=1059) == []
+    assert [t.new for t in fleet.tick(now=1060)] == [NodeState.LOST]
+
+
+def placement(node: str = "n1", shard: str = "m-r0-s0") -> Plan:
+    return Plan((ReplicaPlacement("m", "m-r0", (ShardAssignment(shard, node, (0,), 8000),)),), ())
+
+
+def spec(shard: str = "m-r0-s0") -> schema.StartShard:
+    return schema.StartShard(
+        shard_id=shard,
+        replica_id="m-r0",
+        gpu_indices=[0],
+        http_port=8000,
+        profile=schema.EngineProfile(engine="sim"),
+    )
+
+
+def status(state: schema.ShardState, pid: int = 1, shard: str = "m-r0-s0") -> schema.ShardStatus:
+    return schema.ShardStatus(shard_id=shard, replica_id="m-r0", state=state, pid=pid, spec=spec(shard))
+
+
+def test_start_once_then_wait_for_the_agent() -> None:
+    fleet = Fleet(15, 300)
+    fleet.registered(reg("n1"), now=0)
+    r = Reconciler()
+    specs = {"m-r0-s0": spec()}
+    assert r.step(placement(), fleet.nodes, specs, now=0) == [Start("n1", spec())]
+    assert r.step(placement(), fleet.nodes, specs, now=1) == []  # idempotent: the start is on its way
+    fleet.shard_status("n1", status(State.STARTING))
+    assert r.step(placement(), fleet.nodes, specs, now=2) == []
+
+
+def test_crash_loop_backoff_doubles_and_resets() -> None:
+    fleet = Fleet(15, 300)
+    fleet.registered(reg("n1"), now=0)
+    r = Reconciler(backoff_initial=10, backoff_max=300, backoff_reset_after=600)
+    specs = {"m-r0-s0": spec()}
+    starts = []
+    now = 0.0
+    for pid in range(1, 8):
+        fleet.shard_status("n1", status(State.FAILED, pid=pid))
+        # Not before the backoff has passed...
+        assert r.step(placement(), fleet.nodes, specs, now=now) == []
+        delay = r.backoff(pid)
+        starts.append(delay)
+        now += delay
+        assert r.step(placement(), fleet.nodes, specs, now=now) == [Start("n1", spec())]
+    assert starts == [10, 20, 40, 80, 160, 300, 300]
+    fleet.shard_status("n1", status(State.READY, pid=99))
+    r.step(placement(), fleet.nodes, specs, now=now)
+    r.step(placement(), fleet.nodes, specs, now=now + 600)
+    assert r.failures("n1", "m-r0-s0") == 0
+
+
+def test_extra_shards_are_stopped_and_unreachable_nodes_left_alone() -> None:
+    fleet = Fleet(15, 300)
+    fleet.registered(reg("n1", status(State.READY, shard="old-r0-s0")), now=0)
+    fleet.registered(reg("n2", status(State.READY, shard="gone-r0-s0")), now=0)
+    fleet.disconnected("n2", now=1, reason="eof")
+    r = Reconciler(stop_grace=30)
+    cmds = r.step(Plan((), ()), fleet.nodes, {}, now=2)
+    assert cmds == [Stop("n1", "old-r0-s0", 30)]
+    assert r.step(Plan((), ()), fleet.nodes, {}, now=3) == []
+
+
+def test_drain_waits_for_the_replacement() -> None:
+    fleet = Fleet(15, 300)
+    fleet.registered(reg("n1", status(State.READY)), now=0)
+    fleet.registered(reg("n2"), now=0)
+    fleet.nodes["n1"].draining = True
+    r = Reconciler(drain_deadline=60)
+    moved = placement(node="n2")
+    specs = {"m-r0-s0": spec()}
+    # Replacement first: start on n2, do not touch n1 yet.
+    assert r.step(moved, fleet.nodes, specs, now=1) == [Start("n2", spec())]
+    fleet.shard_status("n2", status(State.READY, pid=2))
+    assert r.step(moved, fleet.nodes, specs, now=2) == [Drain("n1", "m-r0-s0", 60)]
+    assert r.step(moved, fleet.nodes, specs, now=3) == []
+
+
+def test_changed_shape_replaces_the_running_shard() -> None:
+    fleet = Fleet(15, 300)
+    fleet.registered(reg("n1", status(State.READY)), now=0)
+    r = Reconciler(stop_grace=30)
+    wanted = schema.StartShard(
+        shard_id="m-r0-s0",
+        replica_id="m-r0",
+        gpu_indices=[0, 1],
+        http_port=8000,
+        profile=schema.EngineProfile(engine="sim"),
+    )
+    assert r.step(placement(), fleet.nodes, {"m-r0-s0": wanted}, now=1) == [Stop("n1", "m-r0-s0", 30)]
+
+
+CONFIG = """
+state_dir = "/tmp/llmgw-test"
+[listen]
+agents = "127.0.0.1:7070"
+
+[[models]]
+name = "a"
+[models.profile]
+engine = "vllm"
+model = "m"
+
+[[models]]
+name = "b"
+replica = 2
+[models.gpus]
+count = "8"
+[models.profile]
+engine = "vllm"
+model = "m"
+"""
+
+
+def test_config_errors_name_key_and_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(CONFIG, "llmgw.toml")
+    text = str(info.value)
+    assert "models[1].replica: unknown key (llmgw.toml line 14)" in text
+    assert "models[1].gpus.count: expected an integer, got '8' (llmgw.toml line 16)" in text
+
+
+def test_config_defaults_and_router_only() -> None:
+    cfg = parse('[[endpoints]]\nmodel = "m"\nurl = "http://127.0.0.1:9"\n')
+    assert not cfg.runs_control_plane and cfg.liveness.grace == cfg.liveness.lost_after == 300.0
+    with pytest.raises(ConfigError, match="duplicate name"):
+        parse(
+            '[[models]]\nname="a"\nprofile={engine="sim", model="m"}\n[[models]]\nname="a"\nprofile={engine="sim", model="m"}\n'
+        )
