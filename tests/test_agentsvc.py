@@ -75,3 +75,34 @@ async def test_second_stream_replaces_the_first(nursery: trio.Nursery) -> None:
         svc.send("n1", stop=schema.StopShard(shard_id="x"))
         got = await new.receive()
         assert got is not None and got.stop is not None
+
+
+async def test_per_node_token_without_tls(nursery: trio.Nursery) -> None:
+    from agent.transport import Code, RpcError
+
+    fleet = Fleet(15, 300)
+    svc = AgentService(fleet, tokens={"n1": "s3cret"})
+    port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    for node_id, token, expected in (
+        ("n1", "wrong", "wrong token for node 'n1'"),
+        ("n9", "", "no token is configured for node 'n9'"),
+    ):
+        async with open_stream(url) as stream:
+            await stream.send(
+                schema.AgentMessage(message_id=1, register=schema.Register(node_id=node_id, token=token))
+            )
+            refusal = await stream.receive()
+            assert refusal is not None and not refusal.ack.ok and refusal.ack.error == expected
+            try:
+                await stream.receive()
+                raise AssertionError("the stream should end")
+            except RpcError as exc:
+                assert exc.code is Code.PERMISSION_DENIED
+    async with open_stream(url) as stream:
+        await stream.send(
+            schema.AgentMessage(message_id=1, register=schema.Register(node_id="n1", token="s3cret"))
+        )
+        ok = await stream.receive()
+        assert ok is not None and ok.ack.ok
+    assert list(fleet.nodes) == ["n1"]
