@@ -16,6 +16,7 @@ import base64
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ import trio
 import schema
 from control.agentsvc import AgentService
 from control.config import ControlConfig, Listen, ModelConfig
-from control.fleet import Fleet, NodeState, Transition
+from control.fleet import Fleet, Node, NodeState, Transition
 from control.placement import (
     GpuView,
     ModelSpec,
@@ -83,6 +84,10 @@ class ControlPlane:
         self.api_port = 0
         self._wake = trio.Event()
         self._converter = cattrs.Converter()
+        self._views: dict[str, tuple[object, NodeView]] = {}
+        self._encoded: dict[str, tuple[int, str]] = {}
+        self._saved_key: object = None
+        self._plan_key: object = None
 
     # -- events -------------------------------------------------------------------------------------
 
@@ -123,31 +128,39 @@ class ControlPlane:
         ]
 
     def node_views(self) -> list[NodeView]:
-        first, last = self.config.engines.port_range
+        """Placement's view of every node, rebuilt only for nodes whose Register or state changed
+        (a fleet of thousands heartbeats constantly; rebuilding every view each pass would not scale)."""
         views = []
         for node in self.fleet.nodes.values():
-            reg = node.register
-            # The control plane's engine ports, within what the node offers; first > last: none.
-            lo = max(first, reg.engine_ports.first if reg.engine_ports else first)
-            hi = min(last, reg.engine_ports.last if reg.engine_ports and reg.engine_ports.last else last)
-            views.append(
-                NodeView(
-                    node_id=node.node_id,
-                    state=node.state.value,
-                    gpus=tuple(
-                        GpuView(
-                            g.index, g.memory_total_mib, _cc(g.compute_capability), frozenset(g.nvlink_peers)
-                        )
-                        for g in reg.gpus
-                    ),
-                    labels=dict(reg.labels),
-                    fabrics=frozenset(f.fabric for f in reg.fabrics),
-                    mgmt_addr=reg.mgmt_addr,
-                    port_range=(lo, hi),
-                    draining=node.draining,
-                )
-            )
+            key = (id(node.register), node.state, node.draining)
+            cached = self._views.get(node.node_id)
+            if cached is None or cached[0] != key:
+                cached = (key, self._view(node))
+                self._views[node.node_id] = cached
+            views.append(cached[1])
+        for gone in set(self._views) - set(self.fleet.nodes):
+            del self._views[gone]
         return views
+
+    def _view(self, node: Node) -> NodeView:
+        first, last = self.config.engines.port_range
+        reg = node.register
+        # The control plane's engine ports, within what the node offers; first > last: none.
+        lo = max(first, reg.engine_ports.first if reg.engine_ports else first)
+        hi = min(last, reg.engine_ports.last if reg.engine_ports and reg.engine_ports.last else last)
+        return NodeView(
+            node_id=node.node_id,
+            state=node.state.value,
+            gpus=tuple(
+                GpuView(g.index, g.memory_total_mib, _cc(g.compute_capability), frozenset(g.nvlink_peers))
+                for g in reg.gpus
+            ),
+            labels=dict(reg.labels),
+            fabrics=frozenset(f.fabric for f in reg.fabrics),
+            mgmt_addr=reg.mgmt_addr,
+            port_range=(lo, hi),
+            draining=node.draining,
+        )
 
     def _adopted(self) -> list[ReplicaPlacement]:
         """Placements for live shards agents report that no placement knows (e.g. lost state file)."""
@@ -179,14 +192,21 @@ class ControlPlane:
             if rid not in existing
         ]
 
-    def replan(self) -> Plan:
+    async def replan(self) -> Plan:
+        """Place again, when any input changed. Placement is pure and its inputs are frozen values,
+        so it runs in a worker thread: at thousands of nodes a pass takes long enough that running it
+        on the event loop would delay reading heartbeats past the liveness budget."""
         draining = {n.node_id for n in self.fleet.nodes.values() if n.draining}
-        current = [
+        current = tuple(
             r
             for r in (*self.placements, *self._adopted())
             if not any(s.node_id in draining for s in r.shards)
-        ]
-        self.plan = place(self.model_specs(), self.node_views(), current)
+        )
+        views = self.node_views()
+        key = (tuple(map(id, views)), current)
+        if key != self._plan_key:
+            self.plan = await trio.to_thread.run_sync(place, self.model_specs(), views, current)
+            self._plan_key = key
         self.placements = self.plan.replicas
         return self.plan
 
@@ -205,10 +225,10 @@ class ControlPlane:
             master_port=shard.master_port,
         )
 
-    def reconcile_once(self) -> None:
+    async def reconcile_once(self) -> None:
+        self._transitions(self.fleet.tick(self.clock()))
+        plan = await self.replan()
         now = self.clock()
-        self._transitions(self.fleet.tick(now))
-        plan = self.replan()
         specs = {s.shard_id: self.start_spec(r, s) for r in plan.replicas for s in r.shards}
         for command in self.reconciler.step(plan, self.fleet.nodes, specs, now):
             if isinstance(command, Start):
@@ -234,22 +254,29 @@ class ControlPlane:
     # -- persistence --------------------------------------------------------------------------------
 
     def save(self) -> None:
-        doc = {
-            "nodes": {
-                n.node_id: base64.b64encode(bytes(n.register)).decode()
-                for n in self.fleet.nodes.values()
-                if n.state is not NodeState.LOST
-            },
-            "placements": self._converter.unstructure(list(self.placements)),
-        }
-        text = json.dumps(doc, sort_keys=True)
-        if getattr(self, "_saved", None) == text:
+        """Write what a restart needs, when it changed. Encoded Registers are cached per node: a
+        Register changes only when its node registers again, and encoding thousands each pass would
+        starve the event loop that reads heartbeats."""
+        nodes = {}
+        for n in self.fleet.nodes.values():
+            if n.state is NodeState.LOST:
+                continue
+            cached = self._encoded.get(n.node_id)
+            if cached is None or cached[0] != id(n.register):
+                cached = (id(n.register), base64.b64encode(bytes(n.register)).decode())
+                self._encoded[n.node_id] = cached
+            nodes[n.node_id] = cached[1]
+        for gone in set(self._encoded) - set(self.fleet.nodes):
+            del self._encoded[gone]
+        key = (tuple(sorted(nodes.items())), self.placements)
+        if key == self._saved_key:
             return
+        doc = {"nodes": nodes, "placements": self._converter.unstructure(list(self.placements))}
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(text)
+        tmp.write_text(json.dumps(doc, sort_keys=True))
         os.replace(tmp, self.state_file)
-        self._saved = text
+        self._saved_key = key
 
     def restore(self) -> None:
         try:
@@ -291,15 +318,19 @@ class ControlPlane:
     async def _reconcile_loop(self) -> None:
         while True:
             self._wake = trio.Event()
+            started = time.perf_counter()
             try:
-                self.reconcile_once()
+                await self.reconcile_once()
             except Exception:
                 log.exception("reconcile pass failed; retrying")
+            took = time.perf_counter() - started
             now = self.clock()
             wait = min(self.config.reconcile_interval, max(self.fleet.next_deadline(now) - now, 0.05))
             with trio.move_on_after(wait):
                 await self._wake.wait()
-            await trio.sleep(0.05)  # coalesce bursts of changes (a registering fleet) into one pass
+            # Coalesce bursts of changes (a registering fleet) into one pass, and keep passes to at most
+            # about half of the event loop's time, so heartbeats are always read on time.
+            await trio.sleep(max(0.05, took))
 
 
 __all__ = ["ControlPlane", "model_name_of"]
