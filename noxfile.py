@@ -56,3 +56,4 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[test,dev]")
     session.run("python", "-m", "bench.wire", *session.posargs)
     session.run("python", "-m", "bench.agent")
+    session.run("python", "-m", "bench.control")
