@@ -166,6 +166,11 @@ async def run_agent(
                     result = await session.run()
             except (TransportError, OSError, trio.TooSlowError) as exc:
                 result.reason = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:
+                # A daemon that must run for months: an unexpected failure of one session is logged
+                # and retried like any other; the engines and the supervisor are not affected.
+                log.exception("session failed unexpectedly")
+                result.reason = f"unexpected {type(exc).__name__}: {exc}"
             if result.registered:
                 attempt = 0
             delay = backoff_delay(attempt, config.reconnect_base, config.reconnect_max, rng.random())
