@@ -93,6 +93,15 @@ class AgentStream:
             yield message
 
 
+def _parse_control(payload: bytes) -> schema.ControlMessage:
+    try:
+        return schema.ControlMessage.parse(payload)
+    except Exception as exc:
+        raise RpcError(
+            Code.INTERNAL, f"malformed ControlMessage ({len(payload)} bytes): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 @asynccontextmanager
 async def open_stream(url: str, options: StreamOptions | None = None) -> AsyncIterator[AgentStream]:
     """Connect to ``url`` and open ``AgentService/Connect``; closing the context ends the stream."""
@@ -221,13 +230,7 @@ class _H2ClientStream(H2Stream, AgentStream):
                 continue
             if env.compressed:
                 raise RpcError(Code.INTERNAL, "server sent a compressed message; none was negotiated")
-            try:
-                return schema.ControlMessage.parse(env.payload)
-            except Exception as exc:
-                raise RpcError(
-                    Code.INTERNAL,
-                    f"malformed ControlMessage ({len(env.payload)} bytes): {type(exc).__name__}: {exc}",
-                ) from exc
+            return _parse_control(env.payload)
 
     def _raise_final_status(self) -> None:
         if self.http_status not in (None, 200):
@@ -376,13 +379,7 @@ class _WsClientStream(AgentStream):
             if status is not None:
                 raise status
             return None
-        try:
-            return schema.ControlMessage.parse(env.payload)
-        except Exception as exc:
-            raise RpcError(
-                Code.INTERNAL,
-                f"malformed ControlMessage ({len(env.payload)} bytes): {type(exc).__name__}: {exc}",
-            ) from exc
+        return _parse_control(env.payload)
 
     async def send(self, message: schema.AgentMessage) -> None:
         if self.error is not None:

@@ -160,6 +160,16 @@ class ServerStream:
     async def send(self, message: schema.ControlMessage) -> None:
         raise NotImplementedError
 
+    async def finish(self, code: Code, message: str = "") -> None:
+        """End the stream with a status (idempotent)."""
+        raise NotImplementedError
+
+    async def _refuse(self, code: Code, message: str) -> NoReturn:
+        """Bad input from the peer: end the stream with a status that says why, and tell the handler."""
+        log.warning("%s stream from %s ended: %s: %s", self.protocol, self.peer.address, code.name, message)
+        await self.finish(code, message)
+        raise RpcError(code, message)
+
     async def __aiter__(self) -> AsyncIterator[schema.AgentMessage]:
         while (message := await self.receive()) is not None:
             yield message
@@ -223,11 +233,6 @@ class _H2ServerStream(H2Stream, ServerStream):
             return _parse(env.payload)
         except RpcError as exc:
             await self._refuse(exc.code, exc.message)
-
-    async def _refuse(self, code: Code, message: str) -> NoReturn:
-        log.warning("stream from %s ended: %s: %s", self.peer.address, code.name, message)
-        await self.finish(code, message)
-        raise RpcError(code, message)
 
     async def send(self, message: schema.ControlMessage) -> None:
         if self.finished:
@@ -303,11 +308,6 @@ class _WsServerStream(ServerStream):
             return _parse(env.payload)
         except RpcError as exc:
             await self._refuse(exc.code, exc.message)
-
-    async def _refuse(self, code: Code, message: str) -> NoReturn:
-        log.warning("websocket stream from %s ended: %s: %s", self.peer.address, code.name, message)
-        await self.finish(code, message)
-        raise RpcError(code, message)
 
     async def send(self, message: schema.ControlMessage) -> None:
         if self.finished:
