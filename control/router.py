@@ -1,0 +1,1424 @@
+"""The router: an OpenAI-compatible HTTP API that sends traffic straight to the engines.
+
+It is served by the control plane's process (``Router(plane_routes)``) or alone with a static endpoint
+list (``python -m control.router --static MODEL=URL``). Either way it talks only to engine URLs, so
+engines keep serving while the agent or the control plane restarts.
+
+Why it is built this way
+------------------------
+Byte transparency. A request body is forwarded as it came; JSON is parsed once, only to read ``model``
+and the prompt prefix. A response is relayed as it arrives: its status, its end-to-end headers and its
+body. A streamed (SSE) body that the engine sends with chunked framing goes to an HTTP/1.1 client in
+that same framing, byte for byte: the router only scans the chunk-size lines to find where the body
+ends (``ChunkedScanner``), so no event is decoded, re-encoded or re-framed on the way.
+
+Cost per token. Everything on the path of a streamed chunk is one readiness wait on the engine's
+socket, one ``recv``, one scan and one ``write`` to the client. Both sides therefore drive sockets
+themselves: h11 (sans-IO) parses client requests and keeps the client connection's state, and the
+engine side is a small HTTP/1.1 client on plain non-blocking sockets with a keep-alive pool
+(``_Pool``). An ASGI stack and httpx add several task switches and copies per chunk; on two cores
+that is the difference between tens and hundreds of microseconds of CPU per relayed chunk.
+
+Choosing a replica (``Balancer``). Least outstanding requests, with prefix affinity: the first
+``affinity_chars`` characters of the prompt (chat messages concatenated, or ``prompt``, or ``input``)
+are hashed, the model's upstreams are ranked by rendezvous hashing of that digest with each URL,
+and the request goes to the highest-ranked upstream whose outstanding count is at most the lowest
+count among them plus ``affinity_slack``. Requests sharing a prefix therefore land on the engine that
+already holds that prefix's KV cache while it is not overloaded, and spill to the least loaded one
+when it is; rendezvous ranking moves only the prefixes of a replica that comes or goes. Requests with
+no prompt go to the least loaded upstream (ties at random).
+
+Failures. A failure before any response byte reached the client (connect refused or timed out,
+reset, closed before a status line, or an HTTP 503 while another replica is left to try) moves the
+request to another replica, at most ``max_attempts`` replicas; when all fail the client gets a 502
+naming each failure. A pooled connection that the engine had already closed is redone once on a
+fresh one and not counted. ``eject_after`` consecutive failures eject an upstream for
+``eject_base`` seconds, doubling per consecutive ejection up to ``eject_max``; after an ejection one
+more failure ejects it again, and one success clears the record. When every upstream of a model is
+ejected they are tried anyway: refusing outright would turn a blip into an outage.
+
+Cancellation. While a response is produced a watcher reads the client's connection; end of file
+means the client left, and the upstream connection is closed at once instead of going back to the
+pool, which is how an engine (vLLM, SGLang, the simulator) learns to stop generating.
+
+Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 bad JSON or no model,
+401 bad or missing bearer key (when keys are configured), 404 unknown model (naming the known ones),
+503 no ready replica (with placement's reason), 502 every attempted upstream failed.
+``GET /metrics`` (Prometheus text) and ``GET /health`` need no key.
+
+No global state: every counter, pool and table belongs to one ``Router``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import hmac
+import json
+import logging
+import os
+import random
+import socket
+import sys
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import h11
+import trio
+
+log = logging.getLogger("llmgw.router")
+
+RECEIVE_SIZE = 65536
+MAX_HEAD_BYTES = 64 * 1024
+
+CHAT = b"/v1/chat/completions"
+COMPLETIONS = b"/v1/completions"
+EMBEDDINGS = b"/v1/embeddings"
+MODELS = b"/v1/models"
+PROXIED = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
+
+#: Connection-level headers that describe one hop, never relayed (RFC 9110 7.6.1); the body's
+#: framing headers are set by the router for the client's hop.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+    }
+)
+
+#: Request headers passed to the engine; the rest (the client's SDK telemetry, cookies) is noise there.
+FORWARDED_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"x-request-id", b"user-agent"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+@attrs.frozen
+class Upstream:
+    """One ready engine replica that serves a model."""
+
+    replica_id: str
+    url: str  # engine base URL, e.g. "http://127.0.0.1:8000"
+
+
+@attrs.frozen
+class ModelRoutes:
+    """Where a served model name goes now: its READY replicas, or why there are none."""
+
+    upstreams: tuple[Upstream, ...]  # READY replicas only (the control plane filters draining/failed)
+    reason: str = ""  # when empty of upstreams: why (from placement), for the 503 message
+
+
+RoutesFn = Callable[[], Mapping[str, ModelRoutes]]
+
+
+class RouterError(Exception):
+    """A request the router answers itself, with an OpenAI-shaped error body."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+
+    def body(self) -> bytes:
+        doc = {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        return json.dumps(doc).encode()
+
+
+class UpstreamError(Exception):
+    """The engine failed before a response byte reached the client; ``kind`` labels the metric."""
+
+    def __init__(self, kind: str, message: str, *, got_bytes: bool = False) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.got_bytes = got_bytes
+
+
+class _ClientGone(Exception):
+    """The client's connection closed or broke while its response was being produced."""
+
+
+class _UpstreamBroken(Exception):
+    """The engine's connection broke after part of the response had been relayed."""
+
+
+def static_routes(endpoints: Sequence[tuple[str, str]]) -> RoutesFn:
+    """Routes for router-only runs: ``[(model, url), ...]``; a model named twice has two replicas
+    (``MODEL-r0``, ``MODEL-r1``, as the control plane names them). URLs are checked now, so a typo
+    fails at start with its text rather than at the first request."""
+    by_model: dict[str, list[Upstream]] = {}
+    for model, url in endpoints:
+        if not model:
+            raise ValueError(f"static route {url!r}: empty model name")
+        parse_url(url)
+        ups = by_model.setdefault(model, [])
+        ups.append(Upstream(replica_id=f"{model}-r{len(ups)}", url=url.rstrip("/")))
+    table: Mapping[str, ModelRoutes] = MappingProxyType(
+        {m: ModelRoutes(upstreams=tuple(ups)) for m, ups in by_model.items()}
+    )
+
+    def routes() -> Mapping[str, ModelRoutes]:
+        return table
+
+    return routes
+
+
+@attrs.frozen
+class Target:
+    """Where an upstream URL's requests go: address, Host header and path prefix."""
+
+    host: str
+    port: int
+    host_header: bytes
+    base_path: bytes
+
+
+def parse_url(url: str) -> Target:
+    """``http://host:port[/prefix]``. Only plain HTTP: engines listen on the node's management
+    address without TLS, and the relay writes to raw sockets."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"upstream URL {url!r}: expected http://HOST:PORT (plain HTTP)")
+    try:
+        port = parts.port or 80
+    except ValueError as exc:
+        raise ValueError(f"upstream URL {url!r}: {exc}") from exc
+    host_header = parts.netloc.rsplit("@", 1)[-1]
+    base = parts.path.rstrip("/")
+    if base.endswith("/v1"):  # "http://host:8000/v1" is how clients are usually configured
+        base = base[:-3]
+    return Target(parts.hostname, port, host_header.encode(), base.encode())
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt prefix (affinity key)
+
+
+def affinity_key(doc: Mapping[str, Any], limit: int) -> str:
+    """The first ``limit`` characters of what the engine will see first: the chat messages (role
+    and text parts), or ``prompt``, or ``input``. Shared system prompts and few-shot preambles make
+    this the part an engine's prefix cache can reuse."""
+    parts: list[str] = []
+    size = 0
+
+    def add(text: str) -> bool:
+        nonlocal size
+        parts.append(text)
+        size += len(text)
+        return size >= limit
+
+    messages = doc.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            if add(f"{message.get('role', '')}\x00"):
+                break
+            content = message.get("content")
+            if isinstance(content, str):
+                if add(content + "\x00"):
+                    break
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str) and add(part["text"]):
+                        break
+                if size >= limit:
+                    break
+    else:
+        prompt = doc.get("prompt", doc.get("input"))
+        if isinstance(prompt, str):
+            add(prompt)
+        elif isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            if isinstance(first, str):
+                add(first)
+            elif isinstance(first, int):  # token ids
+                add(" ".join(str(t) for t in prompt[:limit] if isinstance(t, int)))
+            elif isinstance(first, list):  # a batch of token id lists
+                add(" ".join(str(t) for t in first[:limit] if isinstance(t, int)))
+    return "".join(parts)[:limit]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
+def _score(digest: bytes, url: str) -> int:
+    """Rendezvous weight of ``url`` for a prefix: a stable hash (not Python's salted ``hash``), so
+    that several router processes send the same prefix to the same engine."""
+    return int.from_bytes(hashlib.blake2b(digest + url.encode(), digest_size=8).digest(), "big")
+
+
+# ---------------------------------------------------------------------------------------------
+# Balancing and ejection: pure, clock passed in
+
+
+@attrs.define
+class Health:
+    """What the router knows about one engine URL."""
+
+    replica_id: str
+    outstanding: int = 0
+    failures: int = 0  # consecutive failures since the last success or ejection
+    ejections: int = 0  # consecutive ejections without a success in between
+    ejected_until: float = 0.0
+    last_error: str = ""
+
+
+class Balancer:
+    """Least outstanding with prefix affinity, and outlier ejection (rules in the module docstring).
+
+    State is keyed by URL, not replica id: load and health belong to the engine process listening
+    there, and one engine serving two model names must count its load once."""
+
+    def __init__(
+        self,
+        *,
+        affinity_slack: int = 4,
+        eject_after: int = 3,
+        eject_base: float = 10.0,
+        eject_max: float = 300.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.affinity_slack = affinity_slack
+        self.eject_after = eject_after
+        self.eject_base = eject_base
+        self.eject_max = eject_max
+        self.health: dict[str, Health] = {}
+        self._rng = rng or random.Random()
+
+    def _get(self, upstream: Upstream) -> Health:
+        h = self.health.get(upstream.url)
+        if h is None:
+            h = self.health[upstream.url] = Health(upstream.replica_id)
+        else:
+            h.replica_id = upstream.replica_id
+        return h
+
+    def outstanding(self, url: str) -> int:
+        h = self.health.get(url)
+        return h.outstanding if h else 0
+
+    def is_ejected(self, url: str, now: float) -> bool:
+        h = self.health.get(url)
+        return h is not None and h.ejected_until > now
+
+    def choose(
+        self,
+        upstreams: Sequence[Upstream],
+        digest: bytes | None,
+        now: float,
+        exclude: Iterable[str] = (),
+    ) -> Upstream | None:
+        """The upstream for the next attempt, or None when every one is excluded (already tried)."""
+        skip = set(exclude)
+        candidates = [u for u in upstreams if u.url not in skip]
+        if not candidates:
+            return None
+        healthy = [u for u in candidates if not self.is_ejected(u.url, now)]
+        pool = healthy or candidates
+        if len(pool) == 1:
+            return pool[0]
+        loads = [self.outstanding(u.url) for u in pool]
+        low = min(loads)
+        if digest is not None:
+            ranked = sorted(
+                zip(pool, loads, strict=True), key=lambda p: _score(digest, p[0].url), reverse=True
+            )
+            for upstream, load in ranked:
+                if load <= low + self.affinity_slack:
+                    return upstream
+        least = [u for u, load in zip(pool, loads, strict=True) if load == low]
+        return least[0] if len(least) == 1 else self._rng.choice(least)
+
+    def begin(self, upstream: Upstream) -> None:
+        self._get(upstream).outstanding += 1
+
+    def end(self, upstream: Upstream) -> None:
+        self._get(upstream).outstanding -= 1
+
+    def succeeded(self, upstream: Upstream) -> None:
+        h = self._get(upstream)
+        h.failures = 0
+        h.ejections = 0
+
+    def failed(self, upstream: Upstream, now: float, error: str) -> float | None:
+        """Record a failure; returns the ejection's length in seconds when this one ejects it.
+
+        Failures of requests that were already in flight when the upstream was ejected do not
+        count again: a burst against a dead engine is one ejection, not an escalating series."""
+        h = self._get(upstream)
+        h.last_error = error
+        if h.ejected_until > now:
+            return None
+        h.failures += 1
+        threshold = 1 if h.ejections else self.eject_after
+        if h.failures < threshold:
+            return None
+        h.ejections += 1
+        h.failures = 0
+        seconds = min(self.eject_base * 2.0 ** (h.ejections - 1), self.eject_max)
+        h.ejected_until = now + seconds
+        return seconds
+
+    def prune(self, live: set[str], now: float) -> None:
+        """Forget URLs no model routes to any more, once nothing is in flight on them and no
+        ejection is pending (a replica that comes back on the same URL inherits its ejection)."""
+        for url in [u for u, h in self.health.items() if u not in live]:
+            h = self.health[url]
+            if h.outstanding == 0 and h.ejected_until <= now:
+                del self.health[url]
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP/1.1 response parsing (sans-IO)
+
+NO_BODY = "none"
+CHUNKED = "chunked"
+LENGTH = "length"
+UNTIL_CLOSE = "close"
+
+
+@attrs.frozen
+class ResponseHead:
+    status: int
+    reason: bytes
+    headers: list[tuple[bytes, bytes]]
+    framing: str
+    length: int
+    keep_alive: bool
+
+
+def parse_response_head(buf: bytes | bytearray) -> tuple[ResponseHead, int] | None:
+    """Parse a response head from the start of ``buf``: ``(head, bytes used)``, or None when more
+    bytes are needed. Interim 1xx responses are returned too; the caller skips them."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HEAD_BYTES:
+            raise UpstreamError("protocol", f"response head over {MAX_HEAD_BYTES} bytes")
+        return None
+    lines = bytes(buf[:end]).split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    code, _, reason = rest.partition(b" ")
+    if not version.startswith(b"HTTP/1.") or not code.isdigit():
+        raise UpstreamError("protocol", f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    status = int(code)
+    headers: list[tuple[bytes, bytes]] = []
+    chunked = False
+    length = -1
+    close = version == b"HTTP/1.0"
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise UpstreamError("protocol", f"malformed header line {line[:80]!r}")
+        name = name.strip().lower()
+        value = value.strip()
+        headers.append((name, value))
+        if name == b"transfer-encoding":
+            chunked = value.lower().endswith(b"chunked")
+        elif name == b"content-length":
+            if not value.isdigit():
+                raise UpstreamError("protocol", f"bad content-length {value[:40]!r}")
+            length = int(value)
+        elif name == b"connection":
+            tokens = {t.strip().lower() for t in value.split(b",")}
+            if b"close" in tokens:
+                close = True
+            elif b"keep-alive" in tokens:
+                close = False
+    if status < 200 or status in (204, 304):
+        framing = NO_BODY
+    elif chunked:
+        framing = CHUNKED
+    elif length >= 0:
+        framing = LENGTH if length else NO_BODY
+    else:
+        framing, close = UNTIL_CLOSE, True
+    head = ResponseHead(status, reason, headers, framing, max(length, 0), not close)
+    return head, end + 4
+
+
+class ChunkedScanner:
+    """Finds where a chunked body ends, without copying or decoding it.
+
+    ``feed(data)`` returns how many bytes of ``data`` belong to the body (all of it until the last
+    chunk and trailers arrive); ``done`` turns true at the end. With ``decode=True`` the chunk
+    payloads are also collected in ``payloads`` (for clients that cannot take chunked framing)."""
+
+    _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
+
+    def __init__(self, *, decode: bool = False) -> None:
+        self.decode = decode
+        self.payloads: list[bytes] = []
+        self._state = self._SIZE
+        self._remaining = 0
+        self._line = b""
+
+    @property
+    def done(self) -> bool:
+        return self._state == self._DONE
+
+    def feed(self, data: bytes) -> int:
+        i, n = 0, len(data)
+        while i < n:
+            state = self._state
+            if state == self._DATA:
+                take = min(self._remaining, n - i)
+                if self.decode:
+                    self.payloads.append(data[i : i + take])
+                i += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    self._state, self._remaining = self._CRLF, 2
+            elif state == self._CRLF:
+                take = min(self._remaining, n - i)
+                i += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    self._state = self._SIZE
+            elif state == self._DONE:
+                return i
+            else:  # a size line or a trailer line
+                nl = data.find(b"\n", i)
+                if nl < 0:
+                    self._line += data[i:]
+                    if len(self._line) > 4096:
+                        raise _UpstreamBroken("chunk header line too long")
+                    return n
+                line = self._line + data[i:nl] if self._line else data[i:nl]
+                self._line = b""
+                i = nl + 1
+                if state == self._SIZE:
+                    size_text = line.split(b";", 1)[0].strip()
+                    try:
+                        size = int(size_text, 16)
+                    except ValueError:
+                        raise _UpstreamBroken(f"bad chunk size {size_text[:20]!r}") from None
+                    if size:
+                        self._state, self._remaining = self._DATA, size
+                    else:
+                        self._state = self._TRAILER
+                elif not line.strip():  # the empty line after the (usually absent) trailers
+                    self._state = self._DONE
+                    return i
+        return i
+
+
+# ---------------------------------------------------------------------------------------------
+# Upstream connections
+
+
+class _UpstreamConn:
+    """One keep-alive connection to an engine, on a plain non-blocking socket.
+
+    Each call that may block waits on readiness with trio (a checkpoint, so cancellation works)
+    and then does one system call; this is the leanest loop trio allows."""
+
+    __slots__ = ("idle_since", "sock", "url")
+
+    def __init__(self, sock: socket.socket, url: str) -> None:
+        self.sock = sock
+        self.url = url
+        self.idle_since = 0.0
+
+    async def send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self.sock.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+                continue
+            view = view[sent:]
+
+    async def recv(self) -> bytes:
+        while True:
+            await trio.lowlevel.wait_readable(self.sock)
+            try:
+                return self.sock.recv(RECEIVE_SIZE)
+            except BlockingIOError:
+                continue
+
+    def looks_alive(self) -> bool:
+        """An idle keep-alive connection has nothing to read; end of file (the engine's idle
+        timeout) or stray bytes both mean it cannot carry another request."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    def close(self) -> None:
+        trio.lowlevel.notify_closing(self.sock)
+        self.sock.close()
+
+
+class _Pool:
+    """Idle keep-alive connections per upstream URL, most recently used first (a warm one is
+    least likely to have hit the engine's idle timeout)."""
+
+    def __init__(self, *, max_idle: int, idle_timeout: float, connect_timeout: float) -> None:
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        self.connect_timeout = connect_timeout
+        self.idle: dict[str, list[_UpstreamConn]] = {}
+        self.targets: dict[str, Target] = {}
+
+    def target(self, url: str) -> Target:
+        t = self.targets.get(url)
+        if t is None:
+            t = self.targets[url] = parse_url(url)
+        return t
+
+    def take_idle(self, url: str, now: float) -> _UpstreamConn | None:
+        stack = self.idle.get(url)
+        while stack:
+            conn = stack.pop()
+            if now - conn.idle_since < self.idle_timeout and conn.looks_alive():
+                return conn
+            conn.close()
+        return None
+
+    async def connect(self, url: str) -> _UpstreamConn:
+        target = self.target(url)
+        with trio.fail_after(self.connect_timeout):
+            infos = await trio.socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+            error: OSError | None = None
+            for family, type_, proto, _, addr in infos:
+                sock = socket.socket(family, type_, proto)
+                try:
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    code = sock.connect_ex(addr)
+                    if code == errno.EINPROGRESS:
+                        await trio.lowlevel.wait_writable(sock)
+                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if code:
+                        raise OSError(code, os.strerror(code))
+                except OSError as exc:
+                    trio.lowlevel.notify_closing(sock)
+                    sock.close()
+                    error = exc
+                    continue
+                except BaseException:
+                    trio.lowlevel.notify_closing(sock)
+                    sock.close()
+                    raise
+                return _UpstreamConn(sock, url)
+        raise error or OSError(f"{target.host}: no address")
+
+    def release(self, conn: _UpstreamConn, now: float) -> None:
+        stack = self.idle.setdefault(conn.url, [])
+        if len(stack) >= self.max_idle:
+            conn.close()
+            return
+        conn.idle_since = now
+        stack.append(conn)
+
+    def sweep(self, now: float, live: set[str]) -> None:
+        """Close idle connections past the idle timeout or to URLs nothing routes to."""
+        for url in list(self.idle):
+            keep = []
+            for conn in self.idle[url]:
+                if url in live and now - conn.idle_since < self.idle_timeout:
+                    keep.append(conn)
+                else:
+                    conn.close()
+            if keep:
+                self.idle[url] = keep
+            else:
+                del self.idle[url]
+                if url not in live:
+                    self.targets.pop(url, None)
+
+    def close_all(self) -> None:
+        for stack in self.idle.values():
+            for conn in stack:
+                conn.close()
+        self.idle.clear()
+
+    def idle_counts(self) -> dict[str, int]:
+        return {url: len(stack) for url, stack in self.idle.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    """Counters for ``/metrics`` (Prometheus text format 0.0.4), owned by one router.
+
+    Plain dicts updated from the router's tasks, which all run on one trio thread, so no locks; the
+    gauges (in flight, ejected, idle connections) are read from the balancer and pool at scrape
+    time instead of being kept up to date on every request."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}
+        self.upstream_errors: dict[tuple[str, str, str], int] = {}
+        self.retries: dict[str, int] = {}
+        self.disconnects: dict[str, int] = {}
+        self.ejections: dict[tuple[str, str], int] = {}
+        self.ttfb: dict[str, list[float]] = {}  # model -> bucket counts..., then sum, then count
+
+    def request(self, model: str, status: int | str) -> None:
+        key = (model, str(status))
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def upstream_error(self, upstream: Upstream, kind: str) -> None:
+        key = (upstream.replica_id, upstream.url, kind)
+        self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def observe_ttfb(self, model: str, seconds: float) -> None:
+        row = self.ttfb.get(model)
+        if row is None:
+            row = self.ttfb[model] = [0.0] * (len(TTFB_BUCKETS) + 2)
+        row[bisect_left(TTFB_BUCKETS, seconds)] += 1  # index len(TTFB_BUCKETS) is the +Inf-only slot
+        row[-2] += seconds
+        row[-1] += 1
+
+    def exposition(self, balancer: Balancer, pool: _Pool, now: float) -> bytes:
+        out: list[str] = []
+
+        def family(name: str, kind: str, text: str) -> None:
+            out.append(f"# HELP {name} {text}")
+            out.append(f"# TYPE {name} {kind}")
+
+        family("llmgw_router_requests_total", "counter", "Requests answered, by model and HTTP status.")
+        for (model, status), n in sorted(self.requests.items()):
+            out.append(f'llmgw_router_requests_total{{model="{_label(model)}",status="{status}"}} {n}')
+        family(
+            "llmgw_router_upstream_errors_total",
+            "counter",
+            "Upstream failures, by replica and kind (connect, reset, closed, timeout, unavailable, "
+            "protocol, mid_stream).",
+        )
+        for (rid, url, kind), n in sorted(self.upstream_errors.items()):
+            out.append(
+                f'llmgw_router_upstream_errors_total{{replica="{_label(rid)}",url="{_label(url)}",'
+                f'kind="{kind}"}} {n}'
+            )
+        family("llmgw_router_retries_total", "counter", "Requests moved to another replica after a failure.")
+        for model, n in sorted(self.retries.items()):
+            out.append(f'llmgw_router_retries_total{{model="{_label(model)}"}} {n}')
+        family(
+            "llmgw_router_client_disconnects_total",
+            "counter",
+            "Clients that left before their response ended (the upstream request was cancelled).",
+        )
+        for model, n in sorted(self.disconnects.items()):
+            out.append(f'llmgw_router_client_disconnects_total{{model="{_label(model)}"}} {n}')
+        family("llmgw_router_ejections_total", "counter", "Times an upstream was ejected.")
+        for (rid, url), n in sorted(self.ejections.items()):
+            out.append(f'llmgw_router_ejections_total{{replica="{_label(rid)}",url="{_label(url)}"}} {n}')
+        family(
+            "llmgw_router_time_to_first_byte_seconds",
+            "histogram",
+            "From the request's arrival to the first response body byte sent to the client.",
+        )
+        for model, row in sorted(self.ttfb.items()):
+            m = _label(model)
+            cumulative = 0.0
+            for bound, count in zip(TTFB_BUCKETS, row, strict=False):
+                cumulative += count
+                out.append(
+                    f'llmgw_router_time_to_first_byte_seconds_bucket{{model="{m}",le="{bound}"}} {cumulative:g}'
+                )
+            out.append(f'llmgw_router_time_to_first_byte_seconds_bucket{{model="{m}",le="+Inf"}} {row[-1]:g}')
+            out.append(f'llmgw_router_time_to_first_byte_seconds_sum{{model="{m}"}} {row[-2]}')
+            out.append(f'llmgw_router_time_to_first_byte_seconds_count{{model="{m}"}} {row[-1]:g}')
+        family("llmgw_router_in_flight", "gauge", "Requests outstanding on each upstream.")
+        for url, h in sorted(balancer.health.items()):
+            out.append(
+                f'llmgw_router_in_flight{{replica="{_label(h.replica_id)}",url="{_label(url)}"}} {h.outstanding}'
+            )
+        family("llmgw_router_upstream_ejected", "gauge", "1 while an upstream is ejected.")
+        for url, h in sorted(balancer.health.items()):
+            flag = 1 if h.ejected_until > now else 0
+            out.append(
+                f'llmgw_router_upstream_ejected{{replica="{_label(h.replica_id)}",url="{_label(url)}"}} {flag}'
+            )
+        family("llmgw_router_idle_connections", "gauge", "Pooled keep-alive connections per upstream.")
+        for url, n in sorted(pool.idle_counts().items()):
+            out.append(f'llmgw_router_idle_connections{{url="{_label(url)}"}} {n}')
+        return ("\n".join(out) + "\n").encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+
+
+def _out(conn: h11.Connection, event: h11.Event) -> bytes:
+    data = conn.send(event)
+    assert data is not None  # only ConnectionClosed yields None, and it is never sent here
+    return data
+
+
+@attrs.define
+class _Exchange:
+    """One request on one client connection, while it is answered."""
+
+    conn: h11.Connection
+    stream: trio.SocketStream
+    fd: int
+    head: h11.Request
+    body: bytes
+    started: float
+    model: str = ""
+    status: int = 0
+    ttfb_done: bool = False
+
+
+class _Watcher:
+    """Reads the client connection while a response is produced: end of file means the client
+    left, and the response (with its upstream request) is cancelled at once. Bytes that do arrive
+    (a pipelined next request) go to h11, which keeps them for the next cycle."""
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope = scope
+        self.gone = False
+
+    async def watch(self, conn: h11.Connection, stream: trio.SocketStream) -> None:
+        while True:
+            try:
+                data = await stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            if not data:
+                self.gone = True
+                self.scope.cancel()
+                return
+            conn.receive_data(data)
+
+
+class Router:
+    """The OpenAI-compatible proxy. ``routes()`` is called once per request, so it must be cheap: the
+    control plane hands a function that returns a mapping it rebuilds when replicas change.
+
+    Tunables: ``affinity_chars`` (prompt prefix length for affinity), ``affinity_slack`` (how many
+    more outstanding requests than the least loaded upstream the preferred one may have),
+    ``max_attempts`` (replicas tried per request), ``eject_after``/``eject_base``/``eject_max``
+    (ejection), ``connect_timeout``, ``response_timeout`` (until the response head; None: no limit,
+    since a queued LLM request may wait long for its first token), ``pool_max_idle`` and
+    ``pool_idle_timeout`` (below the engines' keep-alive timeout: uvicorn's is 5 s),
+    ``client_idle_timeout`` (an idle client connection is closed after it), ``max_body_bytes``."""
+
+    def __init__(
+        self,
+        routes: RoutesFn,
+        *,
+        api_keys: frozenset[str] = frozenset(),
+        affinity_chars: int = 256,
+        affinity_slack: int = 4,
+        max_attempts: int = 3,
+        eject_after: int = 3,
+        eject_base: float = 10.0,
+        eject_max: float = 300.0,
+        connect_timeout: float = 5.0,
+        response_timeout: float | None = None,
+        pool_max_idle: int = 1024,
+        pool_idle_timeout: float = 4.0,
+        client_idle_timeout: float = 300.0,
+        max_body_bytes: int = 32 * 1024 * 1024,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.routes = routes
+        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.affinity_chars = affinity_chars
+        self.max_attempts = max(1, max_attempts)
+        self.response_timeout = response_timeout
+        self.client_idle_timeout = client_idle_timeout
+        self.max_body_bytes = max_body_bytes
+        self.clock = clock
+        self.balancer = Balancer(
+            affinity_slack=affinity_slack, eject_after=eject_after, eject_base=eject_base, eject_max=eject_max
+        )
+        self.pool = _Pool(
+            max_idle=pool_max_idle, idle_timeout=pool_idle_timeout, connect_timeout=connect_timeout
+        )
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    # -- the service -----------------------------------------------------------------------------
+
+    async def serve(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on ``host:port`` (0: the kernel picks), report the bound port, serve until cancelled."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = int(listeners[0].socket.getsockname()[1])
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._housekeeping)
+                await nursery.start(trio.serve_listeners, self._handle_connection, listeners)
+                task_status.started(bound)
+        finally:
+            self.pool.close_all()
+
+    async def _housekeeping(self) -> None:
+        """Close pooled connections before the engines' idle timeouts do (a request sent on one
+        the engine is closing would need a redo), and forget upstreams no longer routed to."""
+        while True:
+            await trio.sleep(1.0)
+            try:
+                live = {u.url for r in self.routes().values() for u in r.upstreams}
+            except Exception:
+                log.exception("router: routes() failed during housekeeping")
+                continue
+            now = self.clock()
+            self.pool.sweep(now, live)
+            self.balancer.prune(live, now)
+
+    async def _handle_connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        fd = stream.socket.fileno()
+        try:
+            while True:
+                request = None
+                with trio.move_on_after(self.client_idle_timeout):
+                    request = await self._read_request(conn, stream)
+                if request is None:  # closed, unreadable, or idle past client_idle_timeout
+                    return
+                head, body = request
+                ex = _Exchange(conn, stream, fd, head, body, self.clock())
+                await self._respond(ex)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone, _UpstreamBroken):
+            return
+        except h11.ProtocolError:
+            return
+        except Exception:
+            # One connection's bug must not take the server down with it.
+            log.exception("router: connection handler failed")
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _read_request(
+        self, conn: h11.Connection, stream: trio.SocketStream
+    ) -> tuple[h11.Request, bytes] | None:
+        head: h11.Request | None = None
+        body: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                await self._refuse(
+                    conn, stream, RouterError(400, f"malformed HTTP request: {exc}", "invalid_request_error")
+                )
+                return None
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(RECEIVE_SIZE)
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Request):
+                head = event
+                if conn.they_are_waiting_for_100_continue:
+                    await stream.send_all(_out(conn, h11.InformationalResponse(status_code=100, headers=[])))
+            elif isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > self.max_body_bytes:
+                    error = RouterError(
+                        413, f"request body over {self.max_body_bytes} bytes", "invalid_request_error"
+                    )
+                    await self._refuse(conn, stream, error)
+                    return None
+                body.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                return head, b"".join(body)
+            else:  # ConnectionClosed, or PAUSED (only after a whole request, returned above)
+                return None
+
+    async def _refuse(self, conn: h11.Connection, stream: trio.SocketStream, error: RouterError) -> None:
+        """Answer a request that cannot be read to its end, and close."""
+        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        body = error.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers.append((b"connection", b"close"))
+        try:
+            data = _out(conn, h11.Response(status_code=error.status, headers=headers))
+            data += _out(conn, h11.Data(data=body)) + _out(conn, h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            return
+        await stream.send_all(data)
+
+    # -- one request ------------------------------------------------------------------------------
+
+    async def _respond(self, ex: _Exchange) -> None:
+        head = ex.head
+        path = head.target.split(b"?", 1)[0]
+        try:
+            if path == b"/metrics" or path == b"/health":
+                self._method(head, b"GET")
+                if path == b"/health":
+                    await self._send(ex, 200, b'{"status":"ok"}\n')
+                else:
+                    data = self.metrics.exposition(self.balancer, self.pool, self.clock())
+                    await self._send(ex, 200, data, b"text/plain; version=0.0.4; charset=utf-8")
+                return
+            if path != MODELS and path not in PROXIED:
+                raise RouterError(
+                    404,
+                    f"no route {head.method.decode()} {path.decode(errors='replace')}",
+                    "invalid_request_error",
+                    "not_found",
+                )
+            self._method(head, b"GET" if path == MODELS else b"POST")
+            self._authorize(head)
+            if path == MODELS:
+                await self._send(ex, 200, self._models_body())
+                ex.status = 200
+                return
+            await self._proxy(ex)
+        except RouterError as error:
+            ex.status = error.status
+            self.metrics.request(ex.model or "", error.status)
+            await self._send(ex, error.status, error.body())
+        except (_ClientGone, _UpstreamBroken):
+            raise
+        except Exception as exc:
+            log.exception("router: %s %r failed", head.method.decode(), head.target)
+            if ex.conn.our_state is not h11.SEND_RESPONSE:
+                raise  # the response had begun: closing the connection is all that is left
+            internal = RouterError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+            self.metrics.request(ex.model or "", 500)
+            await self._send(ex, 500, internal.body())
+
+    def _method(self, head: h11.Request, allowed: bytes) -> None:
+        if head.method != allowed:
+            raise RouterError(
+                405,
+                f"{head.method.decode()} not allowed here; use {allowed.decode()}",
+                "invalid_request_error",
+                "method_not_allowed",
+            )
+
+    def _authorize(self, head: h11.Request) -> None:
+        if not self.api_keys:
+            return
+        given = b""
+        for name, value in head.headers:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = token.strip()
+        # compare_digest against every key: the time taken says nothing about which key is close.
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(key, given)
+        if not given:
+            raise RouterError(
+                401,
+                "missing API key: send Authorization: Bearer KEY",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
+        if not ok:
+            raise RouterError(401, "incorrect API key", "invalid_request_error", "invalid_api_key")
+
+    def _models_body(self) -> bytes:
+        data = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "llmgw"}
+            for name, routes in sorted(self.routes().items())
+            if routes.upstreams
+        ]
+        return json.dumps({"object": "list", "data": data}).encode()
+
+    async def _send(
+        self, ex: _Exchange, status: int, body: bytes, content_type: bytes = b"application/json"
+    ) -> None:
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+        data = _out(ex.conn, h11.Response(status_code=status, headers=headers))
+        data += _out(ex.conn, h11.Data(data=body)) + _out(ex.conn, h11.EndOfMessage())
+        await ex.stream.send_all(data)
+
+    async def _proxy(self, ex: _Exchange) -> None:
+        try:
+            doc = json.loads(ex.body)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise RouterError(
+                400, f"the request body is not valid JSON: {exc}", "invalid_request_error"
+            ) from None
+        if not isinstance(doc, dict):
+            raise RouterError(400, "the request body must be a JSON object", "invalid_request_error")
+        model = doc.get("model")
+        if not isinstance(model, str) or not model:
+            raise RouterError(
+                400, 'the request names no model ("model": "NAME")', "invalid_request_error", "model_required"
+            )
+        table = self.routes()
+        routes = table.get(model)
+        if routes is None:
+            known = ", ".join(sorted(table)) or "none"
+            raise RouterError(
+                404,
+                f"The model `{model}` does not exist on this router; models: {known}",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        ex.model = model
+        if not routes.upstreams:
+            why = routes.reason or "no replica is ready"
+            raise RouterError(
+                503, f"model `{model}` has no ready replica: {why}", "service_unavailable", "no_ready_replica"
+            )
+        key = affinity_key(doc, self.affinity_chars)
+        digest = _digest(key) if key else None
+
+        watcher = _Watcher(trio.CancelScope())
+        failure: Exception | None = None
+        with watcher.scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watcher.watch, ex.conn, ex.stream)
+                try:
+                    await self._forward(ex, routes, digest)
+                except Exception as exc:  # raised outside the nursery, so it is not wrapped in a group
+                    failure = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        if watcher.gone or isinstance(failure, _ClientGone):
+            self.metrics.disconnects[model] = self.metrics.disconnects.get(model, 0) + 1
+            self.metrics.request(model, 499)
+            raise _ClientGone()
+        if isinstance(failure, _UpstreamBroken):
+            self.metrics.request(model, ex.status)
+        if failure is not None:
+            raise failure
+        self.metrics.request(model, ex.status)
+
+    def _upstream_request(self, ex: _Exchange, target: Target) -> bytes:
+        head = ex.head
+        lines = [head.method, b" ", target.base_path, head.target, b" HTTP/1.1\r\nhost: ", target.host_header]
+        lines.append(b"\r\ncontent-length: ")
+        lines.append(str(len(ex.body)).encode())
+        for name, value in head.headers:
+            if name in FORWARDED_REQUEST_HEADERS or (name == b"authorization" and not self.api_keys):
+                lines += (b"\r\n", name, b": ", value)
+        lines.append(b"\r\n\r\n")
+        lines.append(ex.body)
+        return b"".join(lines)
+
+    async def _forward(self, ex: _Exchange, routes: ModelRoutes, digest: bytes | None) -> None:
+        tried: list[str] = []
+        failures: list[str] = []
+        attempts = min(self.max_attempts, len(routes.upstreams))
+        for attempt in range(attempts):
+            upstream = self.balancer.choose(routes.upstreams, digest, self.clock(), tried)
+            if upstream is None:
+                break
+            tried.append(upstream.url)
+            if attempt:
+                self.metrics.retries[ex.model] = self.metrics.retries.get(ex.model, 0) + 1
+            error = await self._attempt(ex, upstream, last=attempt == attempts - 1)
+            if error is None:
+                return
+            failures.append(f"{upstream.replica_id} ({upstream.url}): {error}")
+        raise RouterError(
+            502,
+            f"every upstream of model `{ex.model}` failed before responding: " + "; ".join(failures),
+            "upstream_error",
+            "upstream_failed",
+        )
+
+    async def _attempt(self, ex: _Exchange, upstream: Upstream, *, last: bool) -> str | None:
+        """Send the request to one upstream. Returns None once a response went to the client (its
+        status may be anything the engine said), or the failure when nothing did and another
+        replica may be tried."""
+        balancer = self.balancer
+        balancer.begin(upstream)
+        conn: _UpstreamConn | None = None
+        try:
+            try:
+                target = self.pool.target(upstream.url)
+            except ValueError as exc:
+                return self._failed(upstream, UpstreamError("connect", str(exc)))
+            request = self._upstream_request(ex, target)
+            head: ResponseHead | None = None
+            buf = b""
+            for fresh in (False, True):
+                conn = None if fresh else self.pool.take_idle(upstream.url, self.clock())
+                reused = conn is not None
+                try:
+                    if conn is None:
+                        conn = await self.pool.connect(upstream.url)
+                    await conn.send_all(request)
+                    if self.response_timeout is None:
+                        head, buf = await self._read_head(conn)
+                    else:
+                        with trio.fail_after(self.response_timeout):
+                            head, buf = await self._read_head(conn)
+                    break
+                except (OSError, trio.TooSlowError, UpstreamError) as exc:
+                    if conn is not None:
+                        conn.close()
+                        conn = None
+                    error = exc if isinstance(exc, UpstreamError) else _classify(exc)
+                    if reused and not fresh and not error.got_bytes:
+                        continue  # a pooled connection the engine had closed: redo on a new one
+                    return self._failed(upstream, error)
+            assert conn is not None and head is not None
+            if head.status == 503 and not last:
+                conn.close()
+                conn = None
+                return self._failed(
+                    upstream, UpstreamError("unavailable", "answered 503 (loading or draining)")
+                )
+            balancer.succeeded(upstream)
+            if await self._relay(ex, conn, head, buf, upstream):
+                self.pool.release(conn, self.clock())
+                conn = None
+            return None
+        finally:
+            if conn is not None:
+                conn.close()  # never pooled mid-response: closing is what cancels the engine's work
+            balancer.end(upstream)
+
+    def _failed(self, upstream: Upstream, error: UpstreamError) -> str:
+        text = str(error)
+        self.metrics.upstream_error(upstream, error.kind)
+        ejected = self.balancer.failed(upstream, self.clock(), text)
+        if ejected is not None:
+            key = (upstream.replica_id, upstream.url)
+            self.metrics.ejections[key] = self.metrics.ejections.get(key, 0) + 1
+            log.warning(
+                "router: ejected %s (%s) for %gs: %s", upstream.replica_id, upstream.url, ejected, text
+            )
+        return text
+
+    async def _read_head(self, conn: _UpstreamConn) -> tuple[ResponseHead, bytes]:
+        buf = b""
+        while True:
+            data = await conn.recv()
+            if not data:
+                what = "closed the connection before responding" if not buf else "closed mid response head"
+                raise UpstreamError("closed", what, got_bytes=bool(buf))
+            buf += data
+            parsed = parse_response_head(buf)
+            if parsed is None:
+                continue
+            head, used = parsed
+            buf = buf[used:]
+            while head.status < 200:  # 100 Continue and friends: skip to the real response
+                parsed = parse_response_head(buf)
+                if parsed is None:
+                    break
+                head, used = parsed
+                buf = buf[used:]
+            if head.status >= 200:
+                return head, buf
+
+    async def _write(self, ex: _Exchange, data: bytes) -> None:
+        """Write to the client: straight to the socket when the kernel takes it all (the usual case
+        for an SSE event), avoiding ``send_all``'s scheduler round trips; the readiness wait on the
+        upstream is the loop's checkpoint."""
+        try:
+            sent = os.write(ex.fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise _ClientGone(str(exc)) from exc
+        if sent < len(data):
+            try:
+                await ex.stream.send_all(data[sent:])
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise _ClientGone(str(exc)) from exc
+        if not ex.ttfb_done:
+            ex.ttfb_done = True
+            self.metrics.observe_ttfb(ex.model, self.clock() - ex.started)
+
+    async def _relay(
+        self, ex: _Exchange, conn: _UpstreamConn, head: ResponseHead, buf: bytes, upstream: Upstream
+    ) -> bool:
+        """Relay the response to the client; returns whether the upstream connection is reusable."""
+        ex.status = head.status
+        h = ex.conn
+        passthrough = head.framing == CHUNKED and h.their_http_version == b"1.1"
+        headers = [(k, v) for k, v in head.headers if k not in HOP_BY_HOP]
+        headers.append((b"x-llmgw-replica", upstream.replica_id.encode()))
+        if head.framing == CHUNKED and passthrough:
+            headers.append((b"transfer-encoding", b"chunked"))
+        elif head.framing == LENGTH:
+            headers.append((b"content-length", str(head.length).encode()))
+        elif head.framing == NO_BODY:
+            headers.append((b"content-length", b"0"))
+        out = _out(h, h11.Response(status_code=head.status, headers=headers, reason=head.reason))
+        try:
+            if head.framing == NO_BODY:
+                await self._write(ex, out + _out(h, h11.EndOfMessage()))
+                return head.keep_alive and not buf
+            if passthrough:
+                return await self._relay_chunked(ex, conn, buf, out, head.keep_alive)
+            return await self._relay_decoded(ex, conn, head, buf, out)
+        except OSError as exc:  # the engine's socket broke after the response had begun
+            self.metrics.upstream_error(upstream, "mid_stream")
+            raise _UpstreamBroken(str(exc)) from exc
+        except _UpstreamBroken:
+            self.metrics.upstream_error(upstream, "mid_stream")
+            raise
+
+    async def _relay_chunked(
+        self, ex: _Exchange, conn: _UpstreamConn, buf: bytes, out: bytes, keep_alive: bool
+    ) -> bool:
+        """The hot loop: chunked bytes pass through unchanged. h11 frames only the head; its
+        EndOfMessage bytes are dropped because the engine's last chunk was relayed already."""
+        scanner = ChunkedScanner()
+        extra = False
+        data = buf
+        while True:
+            if data:
+                used = scanner.feed(data)
+                if used < len(data):
+                    extra, data = True, data[:used]
+                if out:
+                    data, out = out + data, b""
+                await self._write(ex, data)
+                if scanner.done:
+                    break
+            elif out:
+                await self._write(ex, out)
+                out = b""
+            data = await conn.recv()
+            if not data:
+                raise _UpstreamBroken("the engine closed the connection mid-response")
+        ex.conn.send(h11.EndOfMessage())
+        return keep_alive and not extra
+
+    async def _relay_decoded(
+        self, ex: _Exchange, conn: _UpstreamConn, head: ResponseHead, buf: bytes, out: bytes
+    ) -> bool:
+        """Bodies h11 must frame for the client: content-length (relayed as it arrives), chunked to
+        an HTTP/1.0 client, or an engine body that ends when its connection closes."""
+        h = ex.conn
+        scanner = ChunkedScanner(decode=True) if head.framing == CHUNKED else None
+        remaining = head.length
+        extra = False
+        data = buf
+        while True:
+            if data:
+                if scanner is not None:
+                    used = scanner.feed(data)
+                    extra = extra or used < len(data)
+                    pieces, scanner.payloads = scanner.payloads, []
+                    done = scanner.done
+                elif head.framing == LENGTH:
+                    if len(data) > remaining:
+                        extra, data = True, data[:remaining]
+                    remaining -= len(data)
+                    pieces, done = [data], remaining == 0
+                else:
+                    pieces, done = [data], False
+                for piece in pieces:
+                    out += _out(h, h11.Data(data=piece))
+                if done:
+                    out += _out(h, h11.EndOfMessage())
+                if out:
+                    await self._write(ex, out)
+                    out = b""
+                if done:
+                    return head.keep_alive and not extra
+            elif out:
+                await self._write(ex, out)
+                out = b""
+            data = await conn.recv()
+            if not data:
+                if head.framing == UNTIL_CLOSE:
+                    await self._write(ex, _out(h, h11.EndOfMessage()))
+                    return False
+                raise _UpstreamBroken("the engine closed the connection mid-response")
+
+
+def _classify(exc: OSError | trio.TooSlowError) -> UpstreamError:
+    if isinstance(exc, trio.TooSlowError):
+        return UpstreamError("timeout", "timed out")
+    if isinstance(exc, ConnectionRefusedError):
+        return UpstreamError("connect", f"connection refused ({exc.strerror or exc})")
+    if isinstance(exc, ConnectionResetError | BrokenPipeError):
+        return UpstreamError("reset", f"connection reset ({exc.strerror or exc})")
+    return UpstreamError("connect", exc.strerror or str(exc) or type(exc).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router-only runs: python -m control.router --static MODEL=URL
+
+
+def _parse_static(values: Sequence[str]) -> list[tuple[str, str]]:
+    endpoints = []
+    for value in values:
+        model, sep, url = value.partition("=")
+        if not sep or not model or not url:
+            raise ValueError(f"--static {value!r}: expected MODEL=URL, e.g. llama=http://10.0.0.7:8000")
+        endpoints.append((model, url))
+    return endpoints
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m control.router",
+        description="llmgw's OpenAI-compatible router on a static endpoint list (no control plane).",
+    )
+    parser.add_argument(
+        "--static", action="append", default=[], metavar="MODEL=URL", help="a replica; repeat"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted bearer key; repeat (or LLMGW_ROUTER_API_KEYS=k1,k2, which keeps keys out of ps)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        routes = static_routes(_parse_static(args.static))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.static:
+        parser.error("no --static MODEL=URL given")
+    keys = set(args.api_key)
+    keys.update(k for k in os.environ.get("LLMGW_ROUTER_API_KEYS", "").split(",") if k)
+    router = Router(routes, api_keys=frozenset(keys))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(router.serve, args.host, args.port)
+            print(f"llmgw router listening on {args.host}:{port} (pid {os.getpid()})", flush=True)
+
+    try:
+        trio.run(run)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

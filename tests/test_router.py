@@ -1,0 +1,622 @@
+"""The router against real simulated engines, driven by the real ``openai`` client.
+
+Two ``python -m agent.engines.sim`` processes are started once for the module on ports the kernel
+picks; tests that count engine-side events compare before and after, so they can share them. The
+router runs in the test's trio loop (``nursery.start(router.serve, ...)``) and the synchronous
+``openai`` client runs in a worker thread against it. Every wait polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import attrs
+import httpx
+import openai
+import pytest
+import trio
+
+from control.router import (
+    Balancer,
+    ChunkedScanner,
+    ModelRoutes,
+    Router,
+    Upstream,
+    _digest,
+    _score,
+    affinity_key,
+    parse_response_head,
+    static_routes,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "sim-model"
+T = TypeVar("T")
+
+
+def poll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
+    """Call ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+        time.sleep(0.02)
+
+
+async def apoll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
+    deadline = trio.current_time() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if trio.current_time() > deadline:
+            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+        await trio.sleep(0.02)
+
+
+@attrs.define
+class Engine:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert match, f"{name} missing from the engine's /metrics"
+        return float(match.group(1))
+
+    def requests(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(float(v) for v in re.findall(r"^llmgw_sim_requests_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def start_engine(tmp: Path, name: str, env: Mapping[str, str] | None = None, *, ready: bool = True) -> Engine:
+    log = tmp / f"{name}.log"
+    argv = [sys.executable, "-m", "agent.engines.sim", "serve", "org/sim", "--served-model-name", MODEL]
+    argv += ["--host", "127.0.0.1", "--port", "0"]
+    full_env = {
+        **os.environ,
+        "LLMGW_SIM_LOAD_SECONDS": "0",
+        "LLMGW_SIM_TTFT_MS": "5",
+        "LLMGW_SIM_ITL_MS": "20",
+        **(env or {}),
+    }
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+    engine = Engine(proc, log)
+
+    def port() -> int | None:
+        m = re.search(r"listening on [^ ]+:(\d+)", log.read_text())
+        if m is None and proc.poll() is not None:
+            raise AssertionError(f"engine {name} exited {proc.returncode}:\n{log.read_text()}")
+        return int(m.group(1)) if m else None
+
+    engine.port = poll(f"engine {name} to listen", port)
+    if ready:
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{engine.url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        poll(f"engine {name} /health to answer 200", healthy)
+    return engine
+
+
+def stop_engines(engines: list[Engine]) -> None:
+    for e in engines:
+        if e.proc.poll() is None:
+            e.proc.kill()
+        e.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    tmp = tmp_path_factory.mktemp("engines")
+    started = [start_engine(tmp, "a"), start_engine(tmp, "b")]
+    yield started[0], started[1]
+    stop_engines(started)
+
+
+def closed_port_url() -> str:
+    """A loopback port nothing listens on (bound, then released: connecting is refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def routes_of(table: dict[str, ModelRoutes]) -> Callable[[], Mapping[str, ModelRoutes]]:
+    return lambda: table
+
+
+def two(engines: tuple[Engine, Engine]) -> ModelRoutes:
+    return ModelRoutes(
+        upstreams=(Upstream("sim-model-r0", engines[0].url), Upstream("sim-model-r1", engines[1].url))
+    )
+
+
+async def serve(nursery: trio.Nursery, router: Router) -> str:
+    port = await nursery.start(router.serve, "127.0.0.1", 0)
+    return f"http://127.0.0.1:{port}"
+
+
+def client(base: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def metrics_of(base: str) -> str:
+    return httpx.get(f"{base}/metrics", timeout=5).text
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text, matching the given labels (0 when absent)."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+CHAT: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a story"}]
+
+
+# ---------------------------------------------------------------------------------------------
+# The OpenAI API through the router
+
+
+async def test_openai_client_plain_and_streamed(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    direct = openai.OpenAI(base_url=f"{engines[0].url}/v1", api_key="x", max_retries=0)
+
+    def sync_calls() -> None:
+        c = client(base)
+        assert [m.id for m in c.models.list().data] == [MODEL]
+        reply = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6)
+        text = reply.choices[0].message.content
+        # Deterministic engines: the same words as asking an engine directly.
+        expected = direct.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6)
+        assert text == expected.choices[0].message.content
+        assert reply.usage is not None and reply.usage.completion_tokens == 6
+        stream = c.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+        deltas, usage = [], None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            deltas += [ch.delta.content or "" for ch in chunk.choices]
+        assert "".join(deltas) == text
+        assert usage is not None and usage.completion_tokens == 6
+        plain = c.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4)
+        streamed = "".join(
+            ch.choices[0].text
+            for ch in c.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4, stream=True)
+            if ch.choices
+        )
+        assert streamed == plain.choices[0].text
+
+    await trio.to_thread.run_sync(sync_calls)
+
+    def async_client_in_asyncio() -> str:
+        async def go() -> str:
+            async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as ac:
+                parts = []
+                stream = await ac.chat.completions.create(
+                    model=MODEL, messages=CHAT, max_tokens=5, stream=True
+                )
+                async for chunk in stream:
+                    parts += [ch.delta.content or "" for ch in chunk.choices]
+                return "".join(parts)
+
+        return asyncio.run(go())
+
+    words = await trio.to_thread.run_sync(async_client_in_asyncio)
+    assert len(words.split()) == 5
+
+
+async def test_stream_is_relayed_byte_for_byte(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -> None:
+    """The SSE body through the router equals the engine's, apart from the per-request id and time."""
+    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", engines[0].url),))})))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "bytes"}],
+        "max_tokens": 5,
+        "stream": True,
+    }
+
+    async def fetch(url: str) -> tuple[bytes, httpx.Headers]:
+        async with httpx.AsyncClient() as c, c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            return b"".join([chunk async for chunk in r.aiter_raw()]), r.headers
+
+    via, headers = await fetch(base)
+    direct, _ = await fetch(engines[0].url)
+
+    def normal(b: bytes) -> bytes:
+        return re.sub(rb'"created":\d+', b"", re.sub(rb"chatcmpl-[0-9a-f]+", b"ID", b))
+
+    assert normal(via) == normal(direct)
+    assert headers["content-type"] == "text/event-stream"
+    assert headers["x-llmgw-replica"] == "r0"
+
+
+async def test_client_disconnect_cancels_the_engine_request(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    a = engines[0]
+    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", a.url),))})))
+    before = await trio.to_thread.run_sync(a.metric, "llmgw_sim_requests_cancelled_total")
+
+    def start_and_leave() -> None:
+        stream = client(base).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=500, stream=True)
+        next(iter(stream))  # the engine is generating (500 tokens at 20 ms: 10 s)
+        stream.close()  # the client goes away mid-stream
+
+    await trio.to_thread.run_sync(start_and_leave)
+
+    async def cancelled() -> float:
+        return await trio.to_thread.run_sync(a.metric, "llmgw_sim_requests_cancelled_total")
+
+    deadline = trio.current_time() + 5
+    while (now := await cancelled()) <= before:
+        assert trio.current_time() < deadline, "the engine never saw the client's disconnect"
+        await trio.sleep(0.02)
+    assert now == before + 1
+    text = await trio.to_thread.run_sync(metrics_of, base)
+    assert sample(text, "llmgw_router_client_disconnects_total", model=MODEL) == 1
+    assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing replicas
+
+
+def prompt_ranked_first(first: str, other: str) -> str:
+    """A prompt whose rendezvous ranking puts ``first`` ahead of ``other``."""
+    for i in range(1000):
+        text = f"prompt {i}"
+        digest = _digest(affinity_key({"messages": [{"role": "user", "content": text}]}, 256))
+        if _score(digest, first) > _score(digest, other):
+            return text
+    raise AssertionError("no prompt ranks the URL first")
+
+
+async def test_refused_replica_is_skipped_before_the_first_byte(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    dead = closed_port_url()
+    table = {MODEL: ModelRoutes((Upstream("dead-r0", dead), Upstream("live-r1", engines[0].url)))}
+    base = await serve(nursery, Router(routes_of(table)))
+    text = prompt_ranked_first(dead, engines[0].url)
+
+    def ask() -> str | None:
+        messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": text}]
+        raw = client(base).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=3
+        )
+        assert raw.headers["x-llmgw-replica"] == "live-r1"
+        return raw.parse().choices[0].message.content
+
+    assert await trio.to_thread.run_sync(ask)
+    metrics = await trio.to_thread.run_sync(metrics_of, base)
+    assert sample(metrics, "llmgw_router_upstream_errors_total", replica="dead-r0", kind="connect") == 1
+    assert sample(metrics, "llmgw_router_retries_total", model=MODEL) == 1
+    assert sample(metrics, "llmgw_router_requests_total", model=MODEL, status="200") == 1
+
+
+async def test_all_replicas_failing_is_a_502_naming_each(nursery: trio.Nursery) -> None:
+    dead = [closed_port_url(), closed_port_url()]
+    table = {MODEL: ModelRoutes((Upstream("x-r0", dead[0]), Upstream("x-r1", dead[1])))}
+    base = await serve(nursery, Router(routes_of(table)))
+
+    def ask() -> httpx.Response:
+        return httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+
+    r = await trio.to_thread.run_sync(ask)
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert error["code"] == "upstream_failed"
+    assert "x-r0" in error["message"] and "x-r1" in error["message"] and "refused" in error["message"]
+
+
+async def test_loading_engine_503_moves_to_another_replica(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine], tmp_path: Path
+) -> None:
+    loading = start_engine(tmp_path, "loading", {"LLMGW_SIM_LOAD_SECONDS": "600"}, ready=False)
+    try:
+        table = {MODEL: ModelRoutes((Upstream("loading-r0", loading.url), Upstream("ok-r1", engines[1].url)))}
+        base = await serve(nursery, Router(routes_of(table)))
+        text = prompt_ranked_first(loading.url, engines[1].url)
+
+        def ask() -> httpx.Response:
+            doc = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+            return httpx.post(f"{base}/v1/chat/completions", json=doc, timeout=10)
+
+        r = await trio.to_thread.run_sync(ask)
+        assert r.status_code == 200 and r.headers["x-llmgw-replica"] == "ok-r1"
+        metrics = await trio.to_thread.run_sync(metrics_of, base)
+        assert (
+            sample(metrics, "llmgw_router_upstream_errors_total", replica="loading-r0", kind="unavailable")
+            == 1
+        )
+    finally:
+        stop_engines([loading])
+
+
+async def test_least_outstanding_spreads_concurrent_requests(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    # Slack 0: affinity yields as soon as its replica is busier than the other, so eight concurrent
+    # streams with the same prompt must split four and four.
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), affinity_slack=0))
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 150, "stream": True}
+    first_chunks = 0
+    release = trio.Event()
+    replicas: list[str] = []
+
+    async def one(c: httpx.AsyncClient) -> None:
+        nonlocal first_chunks
+        async with c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            replicas.append(r.headers["x-llmgw-replica"])
+            chunks = r.aiter_raw()  # held, not broken out of: a dropped iterator closes the response
+            await chunks.__anext__()
+            first_chunks += 1
+            await release.wait()
+
+    running = [e.metric("llmgw_sim_requests_running") for e in engines]
+    assert running == [0, 0]
+    async with httpx.AsyncClient(timeout=30) as c, trio.open_nursery() as inner:
+        for _ in range(8):
+            inner.start_soon(one, c)
+        await apoll("eight streams to begin", lambda: first_chunks == 8)
+        per_engine = [await trio.to_thread.run_sync(e.metric, "llmgw_sim_requests_running") for e in engines]
+        text = await trio.to_thread.run_sync(metrics_of, base)
+        release.set()
+    assert per_engine == [4, 4]
+    assert sorted(replicas) == ["sim-model-r0"] * 4 + ["sim-model-r1"] * 4
+    assert sample(text, "llmgw_router_in_flight", replica="sim-model-r0") == 4
+    assert sample(text, "llmgw_router_in_flight", replica="sim-model-r1") == 4
+
+
+async def test_prefix_affinity_keeps_a_prefix_on_one_replica(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    system = "You are a careful assistant. " * 12  # over 256 characters: the whole affinity key
+
+    def replicas(prompts: list[tuple[str, str]]) -> list[str]:
+        out = []
+        with httpx.Client(timeout=10) as c:
+            for sys_prompt, question in prompts:
+                doc = {
+                    "model": MODEL,
+                    "messages": [
+                        {"role": "system", "content": sys_prompt},
+                        {"role": "user", "content": question},
+                    ],
+                    "max_tokens": 1,
+                }
+                r = c.post(f"{base}/v1/chat/completions", json=doc)
+                assert r.status_code == 200
+                out.append(r.headers["x-llmgw-replica"])
+        return out
+
+    same = await trio.to_thread.run_sync(replicas, [(system, f"question {i}") for i in range(12)])
+    assert len(set(same)) == 1, same
+    # Different prefixes hash to both replicas (16 distinct prefixes all on one: p = 2**-15).
+    spread = await trio.to_thread.run_sync(replicas, [(f"system prompt {i}", "q") for i in range(16)])
+    assert set(spread) == {"sim-model-r0", "sim-model-r1"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors, keys, metrics, router-only runs
+
+
+async def test_unknown_model_404_and_no_ready_replica_503(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    reason = "0/3 nodes fit: 3 have too few free GPUs (need 8)"
+    table = {MODEL: two(engines), "big-model": ModelRoutes((), reason=reason)}
+    base = await serve(nursery, Router(routes_of(table)))
+
+    def calls() -> None:
+        c = client(base)
+        with pytest.raises(openai.NotFoundError) as nf:
+            c.chat.completions.create(model="nope", messages=CHAT)
+        assert nf.value.status_code == 404
+        message = str(nf.value)
+        assert "nope" in message and MODEL in message and "big-model" in message
+        with pytest.raises(openai.APIStatusError) as unavailable:
+            c.chat.completions.create(model="big-model", messages=CHAT)
+        assert unavailable.value.status_code == 503
+        assert reason in str(unavailable.value)
+        # Only models with a ready replica are listed.
+        assert [m.id for m in c.models.list().data] == [MODEL]
+        bad = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", timeout=5)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        nomodel = httpx.post(f"{base}/v1/chat/completions", json={"messages": []}, timeout=5)
+        assert nomodel.status_code == 400 and "model" in nomodel.json()["error"]["message"]
+        assert httpx.get(f"{base}/v1/nothing", timeout=5).status_code == 404
+
+    await trio.to_thread.run_sync(calls)
+
+
+async def test_api_keys(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -> None:
+    base = await serve(
+        nursery, Router(routes_of({MODEL: two(engines)}), api_keys=frozenset({"k-one", "k-two"}))
+    )
+
+    def calls() -> None:
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            client(base, "k-three").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+        assert wrong.value.status_code == 401
+        missing = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=5)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+        assert client(base, "k-two").completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+        assert httpx.get(f"{base}/metrics", timeout=5).status_code == 200  # scrapes need no key
+
+    await trio.to_thread.run_sync(calls)
+
+
+async def test_metrics_show_the_counters(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+
+    def calls() -> str:
+        c = client(base)
+        for _ in range(3):
+            c.completions.create(model=MODEL, prompt="count me", max_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="missing", prompt="x")
+        return metrics_of(base)
+
+    text = await trio.to_thread.run_sync(calls)
+    assert "# TYPE llmgw_router_requests_total counter" in text
+    assert sample(text, "llmgw_router_requests_total", model=MODEL, status="200") == 3
+    assert sample(text, "llmgw_router_requests_total", status="404") == 1
+    assert sample(text, "llmgw_router_time_to_first_byte_seconds_count", model=MODEL) == 3
+    assert sample(text, "llmgw_router_time_to_first_byte_seconds_bucket", model=MODEL, le="+Inf") == 3
+    assert "llmgw_router_in_flight{" in text
+    assert sample(text, "llmgw_router_idle_connections") >= 1  # keep-alive pooling
+
+
+def test_router_only_process_with_static_routes(engines: tuple[Engine, Engine], tmp_path: Path) -> None:
+    log = tmp_path / "router.log"
+    argv = [sys.executable, "-m", "control.router", "--static", f"{MODEL}={engines[0].url}"]
+    argv += ["--static", f"{MODEL}={engines[1].url}", "--port", "0"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        m = poll("the router to listen", lambda: re.search(r"listening on [^ ]+:(\d+)", log.read_text()))
+        base = f"http://127.0.0.1:{m.group(1)}"
+        c = client(base)
+        assert [x.id for x in c.models.list().data] == [MODEL]
+        parts = [
+            ch.choices[0].delta.content or ""
+            for ch in c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, stream=True)
+            if ch.choices
+        ]
+        assert len("".join(parts).split()) == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_static_routes_names_replicas_and_refuses_bad_urls() -> None:
+    routes = static_routes(
+        [("m", "http://10.0.0.1:8000/"), ("m", "http://10.0.0.2:8000"), ("n", "http://h:1")]
+    )()
+    assert [u.replica_id for u in routes["m"].upstreams] == ["m-r0", "m-r1"]
+    assert routes["m"].upstreams[0].url == "http://10.0.0.1:8000"
+    with pytest.raises(ValueError, match="plain HTTP"):
+        static_routes([("m", "https://10.0.0.1:8000")])
+    with pytest.raises(ValueError, match="plain HTTP"):
+        static_routes([("m", "10.0.0.1:8000")])
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure parts
+
+
+def test_ejection_is_consecutive_exponential_and_cleared_by_success() -> None:
+    b = Balancer(eject_after=3, eject_base=10.0, eject_max=25.0)
+    up = Upstream("r0", "http://a:1")
+    other = Upstream("r1", "http://b:1")
+    assert b.failed(up, 0.0, "refused") is None
+    assert b.failed(up, 0.0, "refused") is None
+    assert b.failed(up, 0.0, "refused") == 10.0
+    assert b.choose([up, other], None, 5.0) == other
+    assert b.failed(up, 5.0, "in flight when ejected") is None  # does not count again
+    # Back after 10 s; on probation, one failure ejects it for twice as long, capped at eject_max.
+    assert b.choose([up], None, 10.0) == up
+    assert b.failed(up, 10.0, "refused") == 20.0
+    assert b.failed(up, 30.0, "refused") == 25.0
+    # Every upstream ejected: they are tried anyway.
+    b.failed(other, 30.0, "x")
+    b.failed(other, 30.0, "x")
+    b.failed(other, 30.0, "x")
+    assert b.choose([up, other], None, 31.0) in (up, other)
+    b.succeeded(up)
+    assert b.failed(up, 60.0, "refused") is None  # the record was cleared: three failures again
+
+
+def test_affinity_prefers_its_replica_until_it_is_busier_than_the_slack() -> None:
+    ups = [Upstream(f"r{i}", f"http://h{i}:1") for i in range(4)]
+    b = Balancer(affinity_slack=2)
+    digest = _digest("shared system prompt")
+    preferred = b.choose(ups, digest, 0.0)
+    assert preferred is not None
+    assert all(b.choose(ups, digest, 0.0) == preferred for _ in range(5))  # idle: always the same
+    for _ in range(2):
+        b.begin(preferred)
+    assert b.choose(ups, digest, 0.0) == preferred  # 2 <= 0 + slack
+    b.begin(preferred)
+    assert b.choose(ups, digest, 0.0) != preferred  # 3 > 0 + slack: spill to a less loaded one
+    # Without a prompt: least outstanding.
+    for u in ups[1:]:
+        b.begin(u)
+    b.end(preferred)
+    b.end(preferred)
+    b.end(preferred)
+    assert b.choose(ups, None, 0.0) == preferred
+
+
+def test_affinity_key_reads_messages_prompt_and_input() -> None:
+    chat = {"messages": [{"role": "system", "content": "S" * 300}, {"role": "user", "content": "q"}]}
+    assert affinity_key(chat, 256) == "system\x00" + "S" * 249
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
+    assert affinity_key(parts, 256) == "user\x00hello"
+    assert affinity_key({"prompt": "abc"}, 2) == "ab"
+    assert affinity_key({"prompt": ["first", "second"]}, 256) == "first"
+    assert affinity_key({"prompt": [1, 2, 3]}, 256) == "1 2 3"
+    assert affinity_key({"input": "embed me"}, 256) == "embed me"
+    assert affinity_key({"model": "m"}, 256) == ""
+
+
+def test_chunked_scanner_finds_the_end_at_any_split() -> None:
+    body = b"5\r\nhello\r\n1a;ext=1\r\n" + b"x" * 26 + b"\r\n0\r\nx-trailer: 1\r\n\r\n"
+    for cut in range(len(body) + 1):
+        s = ChunkedScanner(decode=True)
+        used = s.feed(body[:cut]) + s.feed(body[cut:] + b"HTTP/1.1 next")
+        assert s.done and used == len(body)
+        assert b"".join(s.payloads) == b"hello" + b"x" * 26
+
+
+def test_parse_response_head() -> None:
+    raw = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\nrest"
+    parsed = parse_response_head(raw)
+    assert parsed is not None
+    head, used = parsed
+    assert raw[used:] == b"rest"
+    assert (head.status, head.framing, head.keep_alive) == (200, "chunked", True)
+    assert (b"content-type", b"text/event-stream") in head.headers
+    assert parse_response_head(b"HTTP/1.1 200 OK\r\nContent-") is None
+    closing, _ = parse_response_head(
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n"
+    ) or (None, 0)
+    assert closing is not None and (closing.framing, closing.length, closing.keep_alive) == (
+        "length",
+        2,
+        False,
+    )
+    until_close, _ = parse_response_head(b"HTTP/1.0 200 OK\r\n\r\n") or (None, 0)
+    assert until_close is not None and until_close.framing == "close" and not until_close.keep_alive
