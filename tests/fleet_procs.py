@@ -91,13 +91,18 @@ class ControlProcess:
         self.proc.wait(10)
 
     def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
+
+
+def terminate(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM a process this test started, SIGKILL if it does not go within 10 s."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class Agent:
@@ -106,7 +111,7 @@ class Agent:
         workdir: Path,
         node_id: str,
         server: str,
-        inventory: str,
+        inventory: str | None,
         fabrics: str,
         mgmt_addr: str,
         extra: tuple[str, ...] = (),
@@ -119,7 +124,6 @@ class Agent:
             sys.executable, "-m", "agent",
             "--node-id", node_id,
             "--server", server,
-            "--inventory", str(FIXTURES / "inventory" / inventory),
             "--state-dir", str(self.state_dir),
             "--heartbeat-interval", "0.3",
             "--reconnect-base", "0.2",
@@ -127,8 +131,8 @@ class Agent:
             "--stop-grace", "3",
             "--fabrics", fabrics,
             "--mgmt-addr", mgmt_addr,
-            "--mgmt-interface", "lo",
             "--engines", f"vllm={sys.executable} -m agent.engines.sim",
+            *(["--inventory", str(FIXTURES / "inventory" / inventory)] if inventory else []),
             *extra,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
@@ -154,13 +158,8 @@ class Agent:
         return pids
 
     def stop_all(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """End the agent, then the engines it started (they outlive it by design)."""
+        terminate(self.proc)
         for pid in self.engine_pids():
             if pid_alive(pid):
                 try:

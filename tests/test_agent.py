@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,68 +16,24 @@ import openai
 import pytest
 
 import schema
-from agent.supervise.records import process_start_time
+from tests.fleet_procs import Agent, free_port, pid_alive
 from tests.grpcio_cp import GrpcioControlPlane, NodeStream, wait_for
 
-FIXTURES = Path(__file__).parent / "fixtures"
 State = schema.ShardState
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pid_alive(pid: int) -> bool:
-    return process_start_time(pid) is not None
-
-
-class AgentProcess:
-    def __init__(
-        self, cp_port: int, state_dir: Path, node_id: str = "gpu07", inventory: str | None = "h100x8.toml"
-    ) -> None:
-        self.inventory = inventory
-        self.node_id = node_id
-        self.state_dir = state_dir
-        self.cp_port = cp_port
-        self.proc: subprocess.Popen[bytes] | None = None
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.log = state_dir / "agent.log"
-
-    def start(self) -> None:
-        argv = [
-            sys.executable, "-m", "agent",
-            "--node-id", self.node_id,
-            "--server", f"http://127.0.0.1:{self.cp_port}",
-            "--state-dir", str(self.state_dir),
-            "--heartbeat-interval", "0.3",
-            "--reconnect-base", "0.2",
-            "--reconnect-max", "1",
-            "--stop-grace", "5",
-            "--labels", "zone=a,pool=test",
-            "--fabrics", "ib-a:mlx5_0:1,ib-a:mlx5_1:1",
-            "--engines", f"vllm={sys.executable} -m agent.engines.sim",
-            "--mgmt-addr", "127.0.0.1",
-        ]  # fmt: skip
-        if self.inventory:
-            argv += ["--inventory", str(FIXTURES / "inventory" / self.inventory)]
-        with open(self.log, "ab") as logf:
-            self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def agent_process(
+    cp_port: int, workdir: Path, node_id: str = "gpu07", inventory: str | None = "h100x8.toml"
+) -> Agent:
+    return Agent(
+        workdir,
+        node_id,
+        f"http://127.0.0.1:{cp_port}",
+        inventory,
+        fabrics="ib-a:mlx5_0:1,ib-a:mlx5_1:1",
+        mgmt_addr="127.0.0.1",
+        extra=("--stop-grace", "5", "--labels", "zone=a,pool=test"),
+    )
 
 
 @pytest.fixture
@@ -92,18 +45,11 @@ def cp() -> Iterator[GrpcioControlPlane]:
 
 
 @pytest.fixture
-def agent(cp: GrpcioControlPlane, tmp_path: Path) -> Iterator[AgentProcess]:
-    proc = AgentProcess(cp.port, tmp_path / "state")
+def agent(cp: GrpcioControlPlane, tmp_path: Path) -> Iterator[Agent]:
+    proc = agent_process(cp.port, tmp_path)
     proc.start()
     yield proc
-    proc.terminate()
-    # Engines outlive the agent by design; the test started them, so the test ends them.
-    for record in (tmp_path / "state" / "shards").glob("*.json"):
-        import json
-
-        pid = json.loads(record.read_text())["pid"]
-        if pid_alive(pid):
-            os.killpg(pid, signal.SIGKILL)
+    proc.stop_all()
 
 
 def start_spec(shard_id: str, port: int, **profile: object) -> schema.StartShard:
@@ -142,9 +88,7 @@ def state_of(node: NodeStream, shard_id: str, state: schema.ShardState) -> schem
     return None
 
 
-def test_register_carries_inventory_fabrics_and_heartbeats(
-    cp: GrpcioControlPlane, agent: AgentProcess
-) -> None:
+def test_register_carries_inventory_fabrics_and_heartbeats(cp: GrpcioControlPlane, agent: Agent) -> None:
     node = registered(cp, "gpu07")
     reg = node.register
     assert [g.index for g in reg.gpus] == list(range(8))
@@ -166,9 +110,7 @@ def test_register_carries_inventory_fabrics_and_heartbeats(
     assert {g.index for g in beats[0].heartbeat.gpus} == set(range(8))
 
 
-def test_start_ready_stream_kill_stop_duplicate_and_refusal(
-    cp: GrpcioControlPlane, agent: AgentProcess
-) -> None:
+def test_start_ready_stream_kill_stop_duplicate_and_refusal(cp: GrpcioControlPlane, agent: Agent) -> None:
     node = registered(cp, "gpu07")
     port = free_port()
     start_id = node.send(start=start_spec("llama-r0-s0", port))
@@ -233,7 +175,7 @@ def test_start_ready_stream_kill_stop_duplicate_and_refusal(
     assert failed_status.pid == 0 and "refused" in failed_status.error
 
 
-def test_agent_kill9_restart_adopts_engines(cp: GrpcioControlPlane, agent: AgentProcess) -> None:
+def test_agent_kill9_restart_adopts_engines(cp: GrpcioControlPlane, agent: Agent) -> None:
     node = registered(cp, "gpu07")
     port = free_port()
     node.send(start=start_spec("keep-r0-s0", port))
@@ -257,7 +199,7 @@ def test_agent_kill9_restart_adopts_engines(cp: GrpcioControlPlane, agent: Agent
     assert "exit code unknown" in failed.error and "after it was ready" in failed.error
 
 
-def test_drain_stops_taking_work_then_stops(cp: GrpcioControlPlane, agent: AgentProcess) -> None:
+def test_drain_stops_taking_work_then_stops(cp: GrpcioControlPlane, agent: Agent) -> None:
     node = registered(cp, "gpu07")
     port = free_port()
     node.send(start=start_spec("drain-r0-s0", port))
@@ -270,9 +212,7 @@ def test_drain_stops_taking_work_then_stops(cp: GrpcioControlPlane, agent: Agent
     wait_for("engine gone", lambda: not pid_alive(pid))
 
 
-def test_control_plane_outage_reconnects_while_engine_serves(
-    cp: GrpcioControlPlane, agent: AgentProcess
-) -> None:
+def test_control_plane_outage_reconnects_while_engine_serves(cp: GrpcioControlPlane, agent: Agent) -> None:
     node = registered(cp, "gpu07")
     port = free_port()
     node.send(start=start_spec("steady-r0-s0", port))
@@ -297,12 +237,12 @@ def test_control_plane_outage_reconnects_while_engine_serves(
 def test_node_without_nvidia_tooling_registers_with_the_reason(
     cp: GrpcioControlPlane, tmp_path: Path
 ) -> None:
-    proc = AgentProcess(cp.port, tmp_path / "state", node_id="cpu01", inventory=None)
+    proc = agent_process(cp.port, tmp_path, node_id="cpu01", inventory=None)
     proc.start()
     try:
         reg = registered(cp, "cpu01").register
     finally:
-        proc.terminate()
+        proc.stop_all()
     assert list(reg.gpus) == []
     assert "NVML" in reg.discovery_error and "nvidia-smi" in reg.discovery_error
     assert reg.cpu_count >= 1 and reg.memory_total_mib > 0

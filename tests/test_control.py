@@ -105,7 +105,13 @@ class Fleet:
                 inventory,
                 f"{fabric}:mlx5_0:1,{fabric}:mlx5_1:1",
                 addr,
-                extra=("--engine-ports", f"{first}-{first + 99}", *(agent_extra or {}).get(node_id, ())),
+                extra=(
+                    "--engine-ports",
+                    f"{first}-{first + 99}",
+                    "--mgmt-interface",
+                    "lo",
+                    *(agent_extra or {}).get(node_id, ()),
+                ),
             )
             agent.start()
             self.agents[node_id] = agent
