@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import h2.config
 import h2.connection
@@ -67,6 +68,17 @@ def _register(node_id: str) -> schema.Register:
     )  # fmt: skip
 
 
+class _Encoded:
+    """A message encoded once. The load process stands in for thousands of agents, each of which
+    encodes its own messages on its own CPU; encoding them all here would measure the load process."""
+
+    def __init__(self, message: schema.AgentMessage) -> None:
+        self.data = bytes(message)
+
+    def __bytes__(self) -> bytes:
+        return self.data
+
+
 async def _node(url: str, node_id: str, registered: set[str], changed: list[trio.Event]) -> None:
     from agent.nursery import backoff_delay
     from agent.transport import StreamOptions, open_stream
@@ -74,10 +86,24 @@ async def _node(url: str, node_id: str, registered: set[str], changed: list[trio
     rng = random.Random(node_id)
     attempt = 0
     options = StreamOptions(keepalive_interval=30, keepalive_timeout=20, connect_timeout=30)
+    register = cast(
+        schema.AgentMessage, _Encoded(schema.AgentMessage(message_id=1, register=_register(node_id)))
+    )
+    beat = cast(
+        schema.AgentMessage,
+        _Encoded(
+            schema.AgentMessage(
+                message_id=2,
+                heartbeat=schema.Heartbeat(
+                    node_id=node_id, gpus=[schema.GpuUsage(index=g) for g in range(8)]
+                ),
+            )
+        ),
+    )
     while True:
         try:
             async with open_stream(url, options) as stream:
-                await stream.send(schema.AgentMessage(message_id=1, register=_register(node_id)))
+                await stream.send(register)
                 reply = await stream.receive()
                 if reply is None or reply.ack is None or not reply.ack.ok:
                     raise RuntimeError(f"{node_id}: register not acknowledged: {reply}")
@@ -93,13 +119,8 @@ async def _node(url: str, node_id: str, registered: set[str], changed: list[trio
 
                     nursery.start_soon(drain)
                     await trio.sleep(rng.random() * HEARTBEAT)
-                    i = 1
-                    beat = schema.Heartbeat(
-                        node_id=node_id, gpus=[schema.GpuUsage(index=g) for g in range(8)]
-                    )
                     while True:
-                        i += 1
-                        await stream.send(schema.AgentMessage(message_id=i, heartbeat=beat))
+                        await stream.send(beat)
                         await trio.sleep(HEARTBEAT)
         except Exception:  # any failure of a session means: reconnect, as the agent does
             pass
