@@ -479,7 +479,21 @@ class ChunkedScanner:
         i, n = 0, len(data)
         while i < n:
             state = self._state
-            if state == self._DATA:
+            if state == self._SIZE and not self._line:
+                # Fast path, the usual case: a whole size line and often the whole chunk is here.
+                nl = data.find(b"\n", i)
+                if nl < 0:
+                    self._line = data[i:]
+                    return n
+                size = self._size(data[i:nl])
+                i = nl + 1
+                if not size:
+                    self._state = self._TRAILER
+                elif i + size + 2 <= n and not self.decode:
+                    i += size + 2  # the payload and its CRLF, skipped in one step
+                else:
+                    self._state, self._remaining = self._DATA, size
+            elif state == self._DATA:
                 take = min(self._remaining, n - i)
                 if self.decode:
                     self.payloads.append(data[i : i + take])
@@ -495,22 +509,18 @@ class ChunkedScanner:
                     self._state = self._SIZE
             elif state == self._DONE:
                 return i
-            else:  # a size line or a trailer line
+            else:  # a size line split across reads, or a trailer line
                 nl = data.find(b"\n", i)
                 if nl < 0:
                     self._line += data[i:]
                     if len(self._line) > 4096:
                         raise _UpstreamBroken("chunk header line too long")
                     return n
-                line = self._line + data[i:nl] if self._line else data[i:nl]
+                line = self._line + data[i:nl]
                 self._line = b""
                 i = nl + 1
                 if state == self._SIZE:
-                    size_text = line.split(b";", 1)[0].strip()
-                    try:
-                        size = int(size_text, 16)
-                    except ValueError:
-                        raise _UpstreamBroken(f"bad chunk size {size_text[:20]!r}") from None
+                    size = self._size(line)
                     if size:
                         self._state, self._remaining = self._DATA, size
                     else:
@@ -519,6 +529,15 @@ class ChunkedScanner:
                     self._state = self._DONE
                     return i
         return i
+
+    @staticmethod
+    def _size(line: bytes) -> int:
+        if b";" in line:
+            line = line.split(b";", 1)[0]
+        try:
+            return int(line, 16)  # int() takes bytes and ignores the \r and spaces around the digits
+        except ValueError:
+            raise _UpstreamBroken(f"bad chunk size {line[:20]!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------

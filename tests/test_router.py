@@ -86,10 +86,12 @@ class Engine:
         return sum(float(v) for v in re.findall(r"^llmgw_sim_requests_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def start_engine(tmp: Path, name: str, env: Mapping[str, str] | None = None, *, ready: bool = True) -> Engine:
+def start_engine(
+    tmp: Path, name: str, env: Mapping[str, str] | None = None, *, ready: bool = True, port: int = 0
+) -> Engine:
     log = tmp / f"{name}.log"
     argv = [sys.executable, "-m", "agent.engines.sim", "serve", "org/sim", "--served-model-name", MODEL]
-    argv += ["--host", "127.0.0.1", "--port", "0"]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
     full_env = {
         **os.environ,
         "LLMGW_SIM_LOAD_SECONDS": "0",
@@ -363,6 +365,30 @@ async def test_loading_engine_503_moves_to_another_replica(
         stop_engines([loading])
 
 
+async def test_an_engine_restarted_on_its_port_costs_no_request(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Pooled keep-alive connections to the old process are found dead and replaced, unseen."""
+    first = start_engine(tmp_path, "first")
+    port = first.port
+    table = {MODEL: ModelRoutes((Upstream("r0", first.url),))}
+    base = await serve(nursery, Router(routes_of(table), pool_idle_timeout=60))
+
+    def ask() -> int:
+        doc = {"model": MODEL, "prompt": "again", "max_tokens": 1}
+        return httpx.post(f"{base}/v1/completions", json=doc, timeout=10).status_code
+
+    assert await trio.to_thread.run_sync(ask) == 200
+    stop_engines([first])
+    second = await trio.to_thread.run_sync(lambda: start_engine(tmp_path, "second", port=port))
+    try:
+        assert await trio.to_thread.run_sync(ask) == 200
+        metrics = await trio.to_thread.run_sync(metrics_of, base)
+        assert sample(metrics, "llmgw_router_upstream_errors_total") == 0
+    finally:
+        stop_engines([second])
+
+
 async def test_least_outstanding_spreads_concurrent_requests(
     nursery: trio.Nursery, engines: tuple[Engine, Engine]
 ) -> None:
@@ -594,11 +620,15 @@ def test_affinity_key_reads_messages_prompt_and_input() -> None:
 
 def test_chunked_scanner_finds_the_end_at_any_split() -> None:
     body = b"5\r\nhello\r\n1a;ext=1\r\n" + b"x" * 26 + b"\r\n0\r\nx-trailer: 1\r\n\r\n"
-    for cut in range(len(body) + 1):
-        s = ChunkedScanner(decode=True)
-        used = s.feed(body[:cut]) + s.feed(body[cut:] + b"HTTP/1.1 next")
-        assert s.done and used == len(body)
-        assert b"".join(s.payloads) == b"hello" + b"x" * 26
+    for decode in (True, False):
+        for cut in range(len(body) + 1):
+            s = ChunkedScanner(decode=decode)
+            used = s.feed(body[:cut]) + s.feed(body[cut:] + b"HTTP/1.1 next")
+            assert s.done and used == len(body)
+            assert b"".join(s.payloads) == (b"hello" + b"x" * 26 if decode else b"")
+        # One byte at a time: every state boundary split.
+        s = ChunkedScanner(decode=decode)
+        assert sum(s.feed(body[i : i + 1]) for i in range(len(body))) == len(body) and s.done
 
 
 def test_parse_response_head() -> None:
