@@ -26,7 +26,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The README's demo: the system end to end on loopback, no GPU needed."""
-    session.install("-e", ".")
+    session.install("-e", ".[demo]")
     session.run("python", "-m", "demo", *session.posargs)
 
 
@@ -56,4 +56,7 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[test,dev]")
     session.run("python", "-m", "bench.wire", *session.posargs)
     session.run("python", "-m", "bench.agent")
+    # LiteLLM's proxy, the router's peer; pinned: a benchmark's peer must not move under it.
+    session.install("litellm[proxy]==1.106.12")
+    session.run("python", "-m", "bench.router")
     session.run("python", "-m", "bench.control")
