@@ -194,6 +194,7 @@ state_dir = "{state_dir}"
 [listen]
 agents = "127.0.0.1:{port}"
 api = "127.0.0.1:0"
+router = ""
 [liveness]
 unreachable_after = 15
 lost_after = 300

@@ -138,10 +138,14 @@ async def _serve(plane: ControlPlane) -> None:
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             await nursery.start(plane.run)
-            log.info(
-                "control plane: agents on port %d, admin API on port %d", plane.agent_port, plane.api_port
-            )
-            print(f"llmgw control plane ready: agents :{plane.agent_port} api :{plane.api_port}", flush=True)
+            if plane.config.runs_control_plane:
+                print(
+                    f"llmgw control plane ready: agents :{plane.agent_port} api :{plane.api_port} "
+                    f"router :{plane.router_port or '-'}",
+                    flush=True,
+                )
+            else:
+                print(f"llmgw router ready (router-only run): router :{plane.router_port}", flush=True)
             async for _ in signals:
                 nursery.cancel_scope.cancel()
                 break

@@ -4,9 +4,16 @@
 
     state_dir = "/var/lib/llmgw-control"
 
+    api_keys = ["sk-..."]          # optional: bearer keys the router accepts
+
     [listen]
     agents = "0.0.0.0:7070"        # agent streams: gRPC, Connect and WebSocket on one port
     api = "127.0.0.1:7080"         # admin API and `ctl`
+    router = "0.0.0.0:8080"        # OpenAI-compatible router ("" for none)
+
+    [[endpoints]]                  # static endpoints; a catalog of only these is a router-only run
+    model = "llama-3-8b"
+    url = "http://10.0.0.5:8000"
 
     [tls]                          # optional; with client_ca + require_client_cert: mutual TLS
     cert = "server.pem"
@@ -87,6 +94,8 @@ def _parse_cc(text: str) -> tuple[int, int]:
 class Listen:
     agents: str = "0.0.0.0:7070"
     api: str = "127.0.0.1:7080"
+    #: The OpenAI-compatible router; empty: no router in this process.
+    router: str = "0.0.0.0:8080"
 
     @staticmethod
     def split(address: str) -> tuple[str, int]:
@@ -221,6 +230,8 @@ class ControlConfig:
     engines: Engines = Engines()
     models: tuple[ModelConfig, ...] = ()
     endpoints: tuple[EndpointConfig, ...] = ()
+    #: Bearer keys the router accepts; empty: no key needed.
+    api_keys: tuple[str, ...] = ()
     #: Seconds between SIGTERM and SIGKILL in StopShard; drain deadline for `ctl drain`.
     stop_grace: float = attrs.field(default=30.0, validator=_positive)
     drain_deadline: float = attrs.field(default=60.0, validator=_positive)

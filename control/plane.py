@@ -17,7 +17,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import cattrs
@@ -37,6 +38,7 @@ from control.placement import (
     place,
 )
 from control.reconcile import Drain, Reconciler, Start, Stop
+from control.router import ModelRoutes, Upstream
 from control.transport import ServerLimits, ServerTLS, StreamServer
 
 log = logging.getLogger("llmgw.control")
@@ -82,6 +84,8 @@ class ControlPlane:
         self.state_file = config.state_dir / "control-state.json"
         self.agent_port = 0
         self.api_port = 0
+        self.router_port = 0
+        self._routes: Mapping[str, ModelRoutes] = MappingProxyType({})
         self._wake = trio.Event()
         self._converter = cattrs.Converter()
         self._views: dict[str, tuple[object, NodeView]] = {}
@@ -148,6 +152,11 @@ class ControlPlane:
         # The control plane's engine ports, within what the node offers; first > last: none.
         lo = max(first, reg.engine_ports.first if reg.engine_ports else first)
         hi = min(last, reg.engine_ports.last if reg.engine_ports and reg.engine_ports.last else last)
+        if lo > hi and reg.engine_ports:
+            log.warning(
+                "node %s offers engine ports %d-%d, outside this control plane's %d-%d: nothing can be placed there",
+                node.node_id, reg.engine_ports.first, reg.engine_ports.last, first, last,
+            )  # fmt: skip
         return NodeView(
             node_id=node.node_id,
             state=node.state.value,
@@ -249,6 +258,7 @@ class ControlPlane:
         live = [(s.node_id, s.shard_id) for r in plan.replicas for s in r.shards]
         live += [(n.node_id, sid) for n in self.fleet.nodes.values() for sid in n.shards]
         self.reconciler.forget(live)
+        self.build_routes()
         self.save()
 
     # -- persistence --------------------------------------------------------------------------------
@@ -298,9 +308,67 @@ class ControlPlane:
 
     # -- the service --------------------------------------------------------------------------------
 
+    def build_routes(self) -> None:
+        """The router's table: served model name -> ready replicas (rank 0's URL), or why none.
+
+        A replica counts while every shard last reported READY and no node of it is lost: an
+        unreachable agent says nothing about its engines, which keep serving (the router ejects an
+        engine that really fails). Replicas being drained are used only when nothing else is ready,
+        so a drain moves traffic as soon as the replacement is up.
+        """
+        table: dict[str, ModelRoutes] = {}
+        for model in self.config.models:
+            ready: list[Upstream] = []
+            leaving: list[Upstream] = []
+            for replica in self.placements:
+                if replica.model != model.name or not replica.shards:
+                    continue
+                nodes = [self.fleet.nodes.get(s.node_id) for s in replica.shards]
+                if any(n is None or n.state is NodeState.LOST for n in nodes):
+                    continue
+                statuses = [
+                    n.shards.get(s.shard_id) if n else None
+                    for n, s in zip(nodes, replica.shards, strict=True)
+                ]
+                if not all(st is not None and st.state == State.READY for st in statuses):
+                    draining = [st for st in statuses if st is not None and st.state == State.DRAINING]
+                    if not draining:
+                        continue
+                leader = min(replica.shards, key=lambda s: s.node_rank)
+                node = self.fleet.nodes[leader.node_id]
+                upstream = Upstream(replica.replica_id, f"http://{node.register.mgmt_addr}:{leader.port}")
+                is_leaving = any(n is not None and n.draining for n in nodes) or any(
+                    st is not None and st.state == State.DRAINING for st in statuses
+                )
+                (leaving if is_leaving else ready).append(upstream)
+            unplaced = [u.reason for u in self.plan.unplaced if u.model == model.name]
+            reason = unplaced[0] if unplaced else f"no replica of {model.name} is ready yet"
+            table[model.served_name] = ModelRoutes(tuple(ready or leaving), reason)
+        for endpoint in self.config.endpoints:
+            current = table.get(endpoint.model)
+            ups = (
+                *(current.upstreams if current else ()),
+                Upstream(f"static:{endpoint.url}", endpoint.url.rstrip("/")),
+            )
+            table[endpoint.model] = ModelRoutes(ups, current.reason if current else "")
+        self._routes = MappingProxyType(table)
+
+    def routes(self) -> Mapping[str, ModelRoutes]:
+        return self._routes
+
     async def run(self, *, task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED) -> None:
         from control.api import serve_api
+        from control.router import Router
 
+        self.build_routes()
+        router = Router(self.routes, api_keys=frozenset(self.config.api_keys))
+        if not self.config.runs_control_plane:
+            # A catalog of static endpoints only: a router-only run, no agents, no reconciler.
+            host, port = Listen.split(self.config.listen.router)
+            async with trio.open_nursery() as nursery:
+                self.router_port = await nursery.start(router.serve, host, port)
+                task_status.started(self)
+            return
         self.restore()
         tls = None
         if self.config.tls is not None:
@@ -312,6 +380,9 @@ class ControlPlane:
         async with trio.open_nursery() as nursery:
             self.agent_port = await nursery.start(server.serve, host, port)
             self.api_port = await nursery.start(serve_api, self, api_host, api_port)
+            if self.config.listen.router:
+                router_host, router_port = Listen.split(self.config.listen.router)
+                self.router_port = await nursery.start(router.serve, router_host, router_port)
             nursery.start_soon(self._reconcile_loop)
             task_status.started(self)
 

@@ -1,132 +1,270 @@
-"""``python -m demo``: the wire end to end on loopback, over every carrier.
+"""``python -m demo``: the whole system on one machine without GPUs.
 
-A control-plane stream server (``control.transport``) and three node agents' streams
-(``agent.transport``): one over gRPC, one over the Connect protocol, one over WebSocket. Each node
-registers with an 8x H100 inventory and heartbeats; the server answers each Register with an Ack and
-sends one StartShard down each stream while the agent keeps sending, and each agent acknowledges it.
-The whole exchange is printed, then everything shuts down gracefully (GOAWAY, then drain).
-
-Until the control plane and the router land, this is what the system can show; later issues replace it
-with replicas placed on agents and a chat completion streamed through the router.
+It starts the control plane (``python -m control``) with an embedded catalog, two node agents
+(``python -m agent``) with static inventories (an 8x H100 node and a 4x L40S node), whose vLLM
+profiles run on the ``sim`` engine through the real vLLM adapter; waits, showing progress, until the
+replicas are ready; streams a chat completion through the router with the ``openai`` client; prints
+``ctl nodes`` and ``ctl replicas``; and exits cleanly, ending every process it started (engines
+included: they outlive agents by design). ``--serve`` keeps everything running and says where the
+router listens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 
-import trio
+import httpx
+import openai
 
-import schema
-from agent.transport import StreamOptions, open_stream
-from control.transport import ServerStream, StreamServer
+MODEL = "llama-3.1-8b-instruct"
 
-CARRIERS = (("gpu01", "http", "grpc"), ("gpu02", "http", "connect"), ("gpu03", "ws", "grpc"))
+CATALOG = """
+state_dir = "{state}"
+reconcile_interval = 0.5
+[listen]
+agents = "127.0.0.1:{agents}"
+api = "127.0.0.1:{api}"
+router = "127.0.0.1:{router}"
+[engines]
+ports = "21000-21999"
+[liveness]
+unreachable_after = 6
+lost_after = 60
 
-
-def say(who: str, text: str) -> None:
-    print(f"{who:>13} | {text}", flush=True)
-
-
-def h100_node(node_id: str) -> schema.Register:
-    gpus = [
-        schema.Gpu(
-            index=i,
-            uuid=f"GPU-{node_id}-{i}",
-            name="NVIDIA H100 80GB HBM3",
-            compute_capability="9.0",
-            memory_total_mib=81559,
-            nvlink_peers=[j for j in range(8) if j != i],
-        )
-        for i in range(8)
-    ]
-    return schema.Register(
-        node_id=node_id,
-        hostname=node_id,
-        mgmt_addr="127.0.0.1",
-        agent_version="demo",
-        gpus=gpus,
-        fabrics=[schema.FabricAttachment(fabric="ib-a", hca="mlx5_0", port=1)],
-        engine_ports=schema.PortRange(first=8000, last=8099),
-    )
-
-
-async def control_plane(stream: ServerStream) -> None:
-    """What the control plane's stream handler does, in miniature."""
-    first = await stream.receive()
-    if first is None or first.register is None:
-        return
-    reg = first.register
-    say(
-        "control plane",
-        f"{reg.node_id} registered over {stream.protocol}: {len(reg.gpus)}x {reg.gpus[0].name}",
-    )
-    await stream.send(
-        schema.ControlMessage(message_id=1, ack=schema.Ack(message_id=first.message_id, ok=True))
-    )
-    start = schema.StartShard(
-        shard_id=f"llama-70b-r0-{reg.node_id}",
-        replica_id="llama-70b-r0",
-        profile=schema.EngineProfile(
-            engine="vllm", model="meta-llama/Llama-3.1-70B-Instruct", tensor_parallel_size=8
-        ),
-        gpu_indices=list(range(8)),
-        http_port=8000,
-    )
-    await stream.send(schema.ControlMessage(message_id=2, start=start))
-    async for msg in stream:
-        if msg.heartbeat is not None:
-            say("control plane", f"{reg.node_id} heartbeat #{msg.message_id}")
-        elif msg.ack is not None:
-            say("control plane", f"{reg.node_id} acknowledged command {msg.ack.message_id}: ok={msg.ack.ok}")
+[[models]]
+name = "{model}"
+replicas = 2
+ready_timeout = 120
+[models.gpus]
+count = 2
+min_memory_gib = 40
+[models.profile]
+engine = "vllm"
+model = "meta-llama/Llama-3.1-8B-Instruct"
+served_model_name = "{model}"
+tensor_parallel_size = 2
+dtype = "bfloat16"
+max_model_len = 8192
+env = {{ LLMGW_SIM_LOAD_SECONDS = "3", LLMGW_SIM_TTFT_MS = "40", LLMGW_SIM_ITL_MS = "25" }}
+"""
 
 
-async def agent(node_id: str, url: str, protocol: str, heartbeats: int) -> None:
-    """What the agent's session does, in miniature: register, then heartbeat and answer commands."""
-    async with open_stream(url, StreamOptions(protocol=protocol)) as stream:  # type: ignore[arg-type]
-        await stream.send(schema.AgentMessage(message_id=1, register=h100_node(node_id)))
-        reply = await stream.receive()
-        assert reply is not None and reply.ack is not None
-        carrier = "websocket" if url.startswith("ws") else f"HTTP/2, {protocol} protocol"
-        say(node_id, f"registered over {carrier}")
-        command = await stream.receive()
-        assert command is not None and command.start is not None
-        say(node_id, f"StartShard {command.start.shard_id} on GPUs {list(command.start.gpu_indices)}")
-        await stream.send(
-            schema.AgentMessage(message_id=2, ack=schema.Ack(message_id=command.message_id, ok=True))
-        )
-        for i in range(heartbeats):
-            await stream.send(
-                schema.AgentMessage(message_id=3 + i, heartbeat=schema.Heartbeat(node_id=node_id))
+def inventory(name: str, count: int, memory_mib: int, cc: str) -> str:
+    lines = ['driver_version = "550.54.15"', 'cuda_version = "12.4"', ""]
+    for i in range(count):
+        peers = [j for j in range(count) if j != i] if "H100" in name else []
+        lines += [
+            "[[gpus]]",
+            f"index = {i}",
+            f'uuid = "GPU-demo-{name[-5:]}-{i}"',
+            f'name = "{name}"',
+            f'compute_capability = "{cc}"',
+            f"memory_total_mib = {memory_mib}",
+            f"nvlink_peers = {peers}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+NODES = [
+    (
+        "gpu01",
+        "127.0.0.1",
+        inventory("NVIDIA H100 80GB HBM3", 8, 81559, "9.0"),
+        "ib-a:mlx5_0:1",
+        "21000-21099",
+    ),
+    ("gpu02", "127.0.0.2", inventory("NVIDIA L40S", 4, 46068, "8.9"), "ib-a:mlx5_0:1", "21100-21199"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def say(text: str) -> None:
+    print(f"demo | {text}", flush=True)
+
+
+class Demo:
+    def __init__(self, workdir: Path, router_port: int) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.api_port = free_port()
+        self.agent_port = free_port()
+        self.router_port = router_port or free_port()
+
+    def spawn(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> None:
+        config = self.workdir / "llmgw.toml"
+        config.write_text(
+            CATALOG.format(
+                state=self.workdir / "control-state",
+                agents=self.agent_port,
+                api=self.api_port,
+                router=self.router_port,
+                model=MODEL,
             )
-        await stream.close_send()
-        assert await stream.receive() is None
-        say(node_id, "stream closed cleanly")
+        )
+        self.spawn([sys.executable, "-m", "control", "--config", str(config)], self.workdir / "control.log")
+        self.wait(
+            "the control plane",
+            lambda: "llmgw control plane ready" in (self.workdir / "control.log").read_text(),
+        )
+        say(
+            f"control plane up: agents on :{self.agent_port}, admin API on :{self.api_port}, router on :{self.router_port}"
+        )
+        for node_id, addr, inv, fabric, ports in NODES:
+            node_dir = self.workdir / node_id
+            node_dir.mkdir()
+            (node_dir / "inventory.toml").write_text(inv)
+            self.spawn(
+                [
+                    sys.executable, "-m", "agent", "--node-id", node_id,
+                    "--server", f"http://127.0.0.1:{self.agent_port}",
+                    "--inventory", str(node_dir / "inventory.toml"),
+                    "--state-dir", str(node_dir), "--mgmt-addr", addr, "--fabrics", fabric,
+                    "--engine-ports", ports, "--heartbeat-interval", "1", "--stop-grace", "5",
+                    "--engines", f"vllm={sys.executable} -m agent.engines.sim",
+                ],
+                node_dir / "agent.log",
+            )  # fmt: skip
+            say(f"agent {node_id} started ({addr}, inventory: {inv.count('[[gpus]]')} GPUs)")
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"demo: timed out after {timeout:g} s waiting for {what}; logs in {self.workdir}"
+                )
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise SystemExit(f"demo: a process exited early ({proc.args!r}); logs in {self.workdir}")
+            time.sleep(0.2)
+
+    def api(self, path: str) -> object:
+        return httpx.get(f"http://127.0.0.1:{self.api_port}{path}", timeout=10).json()
+
+    def wait_ready(self) -> None:
+        last = ""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            replicas = self.api("/api/replicas")
+            assert isinstance(replicas, list)
+            states = [f"{r['replica_id']}: {'/'.join(s['state'] for s in r['shards'])}" for r in replicas]
+            if not replicas:
+                why = self.api(f"/api/why/{MODEL}")
+                assert isinstance(why, dict)
+                states = [u["reason"] for u in why["unplaced"][:1]] or ["placing"]
+            ready = sum(r["state"] == "ready" for r in replicas)
+            line = f"waiting for replicas: {ready}/2 ready ({', '.join(states) or 'placing'})"
+            if line != last:
+                say(line)
+                last = line
+            if ready == 2:
+                return
+            time.sleep(0.3)
+        raise SystemExit(f"demo: replicas not ready within 120 s; logs in {self.workdir}")
+
+    def chat(self) -> None:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.router_port}/v1", api_key="demo")
+        say(f"POST /v1/chat/completions via the router (model {MODEL}, streaming):")
+        print("    ", end="", flush=True)
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hello to the fleet."}],
+            stream=True,
+            max_tokens=24,
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                print(chunk.choices[0].delta.content, end="", flush=True)
+        print(flush=True)
+
+    def ctl(self, *args: str) -> None:
+        say(f"python -m control ctl {' '.join(args)}")
+        out = subprocess.run(
+            [sys.executable, "-m", "control", "ctl", "--api", f"http://127.0.0.1:{self.api_port}", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        print(out.stdout.rstrip() or out.stderr.rstrip(), flush=True)
+
+    def stop(self) -> None:
+        """End what the demo started: agents and control plane, then the engines they left running."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        engines = [int(json.loads(r.read_text())["pid"]) for r in self.workdir.glob("gpu*/shards/*.json")]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in engines:
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 10
+            while engines and time.monotonic() < deadline:
+                engines = [pid for pid in engines if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+                time.sleep(0.1)
 
 
-async def main(heartbeats: int, serve: bool) -> None:
-    server = StreamServer(control_plane)
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(server.serve, "127.0.0.1", 0)
-        say("control plane", f"serving AgentService/Connect on 127.0.0.1:{port} (gRPC, Connect, WebSocket)")
-        with trio.fail_after(30):
-            async with trio.open_nursery() as agents:
-                for node_id, scheme, protocol in CARRIERS:
-                    agents.start_soon(agent, node_id, f"{scheme}://127.0.0.1:{port}", protocol, heartbeats)
-        if serve:
-            say("control plane", f"still serving on 127.0.0.1:{port}; Ctrl-C to stop")
-            await trio.sleep_forever()
-        await server.shutdown(grace=2)
-        nursery.cancel_scope.cancel()
-    say("demo", "done: three carriers, one wire contract")
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="llmgw demo: control plane, two agents, sim engines, router")
+    parser.add_argument("--serve", action="store_true", help="keep serving after the demo (Ctrl-C to stop)")
+    parser.add_argument("--router-port", type=int, default=0, help="router port (default: a free one)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="llmgw-demo-") as tmp:
+        demo = Demo(Path(tmp), args.router_port)
+        try:
+            demo.start()
+            demo.wait_ready()
+            demo.chat()
+            demo.ctl("nodes")
+            demo.ctl("replicas")
+            if args.serve:
+                say(
+                    f"serving: the router listens on http://127.0.0.1:{demo.router_port}/v1 (model {MODEL}); Ctrl-C to stop"
+                )
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        except KeyboardInterrupt:
+            pass
+        finally:
+            demo.stop()
+    say("done")
+    return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="llmgw wire demo on loopback")
-    parser.add_argument("--heartbeats", type=int, default=3)
-    parser.add_argument("--serve", action="store_true", help="keep the server running afterwards")
-    args = parser.parse_args()
-    try:
-        trio.run(main, args.heartbeats, args.serve)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    sys.exit(main())

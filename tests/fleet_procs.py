@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,6 +48,7 @@ class ControlProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.agent_port = 0
         self.api_port = 0
+        self.router_port = 0
 
     def start(self) -> None:
         offset = self.log.stat().st_size if self.log.exists() else 0
@@ -66,9 +68,10 @@ class ControlProcess:
                 )
             # Only this start's announcement counts, not an earlier run's in the same log.
             for line in reversed(self.log.read_bytes()[offset:].decode().splitlines()):
-                if line.startswith("llmgw control plane ready"):
-                    parts = line.split()
-                    return int(parts[-3].lstrip(":")), int(parts[-1].lstrip(":"))
+                m = re.match(r"llmgw control plane ready: agents :(\d+) api :(\d+) router :(\d+|-)", line)
+                if m:
+                    self.router_port = int(m.group(3)) if m.group(3) != "-" else 0
+                    return int(m.group(1)), int(m.group(2))
             return None
 
         self.agent_port, self.api_port = wait_for("the control plane to listen", ready)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import trustme
 
@@ -31,6 +32,7 @@ ports = "20000-29999"
 [listen]
 agents = "127.0.0.1:{free_port()}"
 api = "127.0.0.1:0"
+router = "127.0.0.1:0"
 [liveness]
 unreachable_after = 1.5
 lost_after = 4.0
@@ -156,6 +158,17 @@ def test_two_replicas_ready_and_a_cross_fabric_model_explained(fleet_a: Fleet) -
                 timeout=10,
             )
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+    # Through the router, with the openai client: a streamed chat completion.
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet_a.cp.router_port}/v1", api_key="none")
+    stream = client.chat.completions.create(
+        model=chat, messages=[{"role": "user", "content": "hello"}], stream=True, max_tokens=8
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text.strip()
+    assert {m.id for m in client.models.list()} == {chat}
+    with pytest.raises(openai.APIStatusError) as unplaced:
+        client.completions.create(model=big, prompt="hi", max_tokens=2)
+    assert unplaced.value.status_code == 503 and "fabric" in str(unplaced.value)
     # The 16-GPU model needs two 8-GPU nodes on one fabric: gpu01 (ib-a) and gpu03 (ib-b) share none.
     why = fleet_a.cp.ctl("why", big)
     assert why.returncode == 0, why.stderr
@@ -178,6 +191,13 @@ def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None
         return any(n["node_id"] == victim and n["state"] == state for n in fleet_a.cp.api("/api/nodes"))
 
     poll(f"{victim} unreachable", lambda: node_state("unreachable"))
+    # Its engine keeps serving through the router while the agent is unreachable.
+    served_by_victim = ready[0]["shards"][0]["url"]  # type: ignore[index]
+    assert httpx.get(f"{served_by_victim}/health", timeout=5).status_code == 200
+    router = f"http://127.0.0.1:{fleet_a.cp.router_port}/v1/completions"
+    for _ in range(4):
+        answer = httpx.post(router, json={"model": chat, "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert answer.status_code == 200
     poll(f"{victim} lost", lambda: node_state("lost"))
 
     def moved() -> list[dict[str, object]] | None:
