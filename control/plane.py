@@ -317,6 +317,7 @@ class ControlPlane:
         so a drain moves traffic as soon as the replacement is up.
         """
         table: dict[str, ModelRoutes] = {}
+        placed = {(s.node_id, s.shard_id) for r in self.placements for s in r.shards}
         for model in self.config.models:
             ready: list[Upstream] = []
             leaving: list[Upstream] = []
@@ -330,10 +331,8 @@ class ControlPlane:
                     n.shards.get(s.shard_id) if n else None
                     for n, s in zip(nodes, replica.shards, strict=True)
                 ]
-                if not all(st is not None and st.state == State.READY for st in statuses):
-                    draining = [st for st in statuses if st is not None and st.state == State.DRAINING]
-                    if not draining:
-                        continue
+                if not all(st is not None and st.state in (State.READY, State.DRAINING) for st in statuses):
+                    continue
                 leader = min(replica.shards, key=lambda s: s.node_rank)
                 node = self.fleet.nodes[leader.node_id]
                 upstream = Upstream(replica.replica_id, f"http://{node.register.mgmt_addr}:{leader.port}")
@@ -341,6 +340,24 @@ class ControlPlane:
                     st is not None and st.state == State.DRAINING for st in statuses
                 )
                 (leaving if is_leaving else ready).append(upstream)
+            # Engines no placement wants any more (the old copies of replicas moving off a drained
+            # node) still serve until their replacement is ready: they are the fallback.
+            for node in self.fleet.nodes.values():
+                if node.state is NodeState.LOST:
+                    continue
+                for st in node.shards.values():
+                    spec = st.spec
+                    if (
+                        (node.node_id, st.shard_id) in placed
+                        or st.state not in (State.READY, State.DRAINING)
+                        or spec is None
+                        or max(spec.nnodes, 1) > 1
+                        or model_name_of(st.replica_id) != model.name
+                    ):
+                        continue
+                    leaving.append(
+                        Upstream(st.replica_id, f"http://{node.register.mgmt_addr}:{spec.http_port}")
+                    )
             unplaced = [u.reason for u in self.plan.unplaced if u.model == model.name]
             reason = unplaced[0] if unplaced else f"no replica of {model.name} is ready yet"
             table[model.served_name] = ModelRoutes(tuple(ready or leaving), reason)

@@ -176,3 +176,43 @@ def test_config_defaults_and_router_only() -> None:
         parse(
             '[[models]]\nname="a"\nprofile={engine="sim", model="m"}\n[[models]]\nname="a"\nprofile={engine="sim", model="m"}\n'
         )
+
+
+def test_routes_move_to_the_replacement_only_once_it_is_ready(tmp_path: object) -> None:
+    import trio
+
+    from control.plane import ControlPlane
+
+    cfg = parse(
+        f'state_dir = "{tmp_path}"\n[[models]]\nname = "m"\nreplicas = 1\n'
+        '[models.profile]\nengine = "sim"\nmodel = "m"\nserved_model_name = "chat"\n'
+    )
+    plane = ControlPlane(cfg, clock=lambda: 0.0)
+    for node_id, addr in (("n1", "10.0.0.1"), ("n2", "10.0.0.2")):
+        plane.fleet.registered(
+            schema.Register(
+                node_id=node_id, mgmt_addr=addr, engine_ports=schema.PortRange(first=8000, last=8010)
+            ),
+            0,
+        )
+    trio.run(plane.replan)
+    [replica] = plane.placements
+    old = replica.shards[0]
+    plane.fleet.shard_status(old.node_id, status(State.READY, shard=old.shard_id))
+    plane.build_routes()
+    assert [u.url for u in plane.routes()["chat"].upstreams] == [f"http://10.0.0.{old.node_id[-1]}:8000"]
+
+    plane.drain_node(old.node_id)
+    trio.run(plane.replan)
+    [moved] = plane.placements
+    new = moved.shards[0]
+    assert new.node_id != old.node_id
+    # The replacement is not ready yet: the old engine keeps serving.
+    plane.build_routes()
+    assert [u.url for u in plane.routes()["chat"].upstreams] == [f"http://10.0.0.{old.node_id[-1]}:8000"]
+    # Once it is, traffic moves and the drained replica gets no new requests.
+    plane.fleet.shard_status(new.node_id, status(State.READY, pid=2, shard=new.shard_id))
+    plane.build_routes()
+    assert [u.url for u in plane.routes()["chat"].upstreams] == [
+        f"http://10.0.0.{new.node_id[-1]}:{new.port}"
+    ]
