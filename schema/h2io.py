@@ -357,6 +357,8 @@ class H2Stream:
         """Send ``data`` as DATA frames, waiting for flow-control window rather than overrunning it."""
         transport = self.transport
         view = memoryview(data)
+        if not view and not end_stream:
+            return
         while True:
             if self.error is not None:
                 raise self.error
@@ -382,7 +384,9 @@ class H2Stream:
                 self.local_ended = True
             view = view[n:]
             await transport.flush()
-            if last:
+            # Handed over whole: a reset that arrives now (a server that answered and ended the
+            # stream while this was in flight) is for the reader to report, not a failed send.
+            if last or (not view and not end_stream):
                 return
 
     async def send_message(self, payload: bytes, flags: int = 0) -> None:

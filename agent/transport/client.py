@@ -250,6 +250,8 @@ class _H2ClientStream(H2Stream, AgentStream):
         try:
             await self.send_message(bytes(message))
         except TransportError as exc:
+            if self.remote_ended:
+                self._raise_final_status()  # the server's status says more than the reset after it
             raise self._explain(exc) from exc
 
     async def close_send(self) -> None:
