@@ -42,6 +42,7 @@ from h2.errors import ErrorCodes
 
 import schema
 from schema import framing
+from schema.fastpath import decode_agent_message
 from schema.h2io import H2Stream, H2Transport, StalledMessage, TransportError
 from schema.rpc import Code, RpcError, encode_connect_end_stream, encode_grpc_message
 
@@ -180,7 +181,7 @@ Handler = Callable[[ServerStream], Awaitable[None]]
 
 def _parse(payload: bytes) -> schema.AgentMessage:
     try:
-        return schema.AgentMessage.parse(payload)
+        return decode_agent_message(payload)
     except Exception as exc:
         raise RpcError(
             Code.INTERNAL, f"malformed AgentMessage ({len(payload)} bytes): {type(exc).__name__}: {exc}"
