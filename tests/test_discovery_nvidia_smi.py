@@ -171,7 +171,7 @@ args = sys.argv[1:]
 mode = {mode!r}
 fixtures = {fixtures!r}
 if mode == "hang":
-    time.sleep(30)
+    time.sleep(30)  # a hung nvidia-smi: the caller's timeout (the deadline under test) must end it
 if mode == "driver-down":
     print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
           "Make sure that the latest NVIDIA driver is installed and running.")

@@ -51,7 +51,7 @@ def poll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
             return result
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the deadline above bounds the wait
 
 
 async def apoll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
@@ -62,7 +62,7 @@ async def apoll(what: str, check: Callable[[], T | None], timeout: float = 15.0)
             return result
         if trio.current_time() > deadline:
             raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        await trio.sleep(0.02)
+        await trio.sleep(0.02)  # poll interval; the deadline above bounds the wait
 
 
 @attrs.define
@@ -282,7 +282,7 @@ async def test_client_disconnect_cancels_the_engine_request(
     deadline = trio.current_time() + 5
     while (now := await cancelled()) <= before:
         assert trio.current_time() < deadline, "the engine never saw the client's disconnect"
-        await trio.sleep(0.02)
+        await trio.sleep(0.02)  # poll interval; the deadline above bounds the wait
     assert now == before + 1
     text = await trio.to_thread.run_sync(metrics_of, base)
     assert sample(text, "llmgw_router_client_disconnects_total", model=MODEL) == 1

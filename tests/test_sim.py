@@ -44,7 +44,7 @@ def poll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
             return result
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(0.02)  # poll interval; the deadline above bounds the wait
 
 
 @attrs.define
