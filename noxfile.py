@@ -1,10 +1,12 @@
-"""Project tasks: ``nox -s tests | lint | typecheck | proto | bench``.
+"""Project tasks: ``nox -s tests | e2e | engines | lint | typecheck | proto | bench``.
 
 Each session builds its own virtual environment from pyproject.toml, so what passes here passes on a
 fresh machine with only Python 3.11 and the package registries.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import nox
 
@@ -13,7 +15,7 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 PACKAGES = ["schema", "agent", "control"]
-CHECKED = [*PACKAGES, "demo", "bench"]
+CHECKED = [*PACKAGES, "demo", "bench", "enginebuild"]
 
 
 @nox.session(python="3.11")
@@ -23,10 +25,44 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs)
 
 
+def _build_engines(session: nox.Session) -> None:
+    """Build llama-server and write the tiny model into the cache (a no-op when both are there).
+
+    cmake comes from PyPI when the machine has none, so a fresh runner needs only a C++ compiler.
+    """
+    session.install("-e", ".[engines]")
+    if shutil.which("cmake") is None:
+        session.install("cmake")
+    session.run("python", "-m", "enginebuild")
+
+
+@nox.session(python="3.11")
+def engines(session: nox.Session) -> None:
+    """llama.cpp's llama-server from the pinned llama-cpp-python sdist, into ~/.cache/llmgw/llama.cpp/
+    (about 15 minutes on 2 cores the first time, reused after), and the tiny test model."""
+    _build_engines(session)
+
+
+@nox.session(python="3.11")
+def e2e(session: nox.Session) -> None:
+    """The real engine end to end: llama-server through agent, control plane and router.
+
+    Builds the engine first when the cache is empty; here the test may not skip for want of it.
+    """
+    session.install("-e", ".[test,engines]")
+    _build_engines(session)
+    session.run("pytest", "tests/test_e2e_llamacpp.py", *session.posargs, env={"LLMGW_E2E_REQUIRED": "1"})
+
+
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
-    """The README's demo: the system end to end on loopback, no GPU needed."""
+    """The README's demo: the system end to end on loopback, no GPU needed.
+
+    ``nox -s demo -- --engine llamacpp`` runs it on real llama.cpp engines instead of ``sim``.
+    """
     session.install("-e", ".[demo]")
+    if any("llamacpp" in arg for arg in session.posargs):
+        _build_engines(session)
     session.run("python", "-m", "demo", *session.posargs)
 
 
@@ -39,7 +75,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
-    session.install("-e", ".[test,dev]")
+    session.install("-e", ".[test,dev,engines]")
     session.run("mypy", *CHECKED)
 
 

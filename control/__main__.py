@@ -74,7 +74,16 @@ def render(command: str, doc: Any) -> str:
                         detail,
                     ]
                 )
-        return _table(rows, ["REPLICA", "SHARD", "NODE", "STATE", "GPUS", "URL", "RANK", "DETAIL"])
+        table = _table(rows, ["REPLICA", "SHARD", "NODE", "STATE", "GPUS", "URL", "RANK", "DETAIL"])
+        # A failed engine's last words, under the table: the reason is usually in them.
+        tails = [
+            f"\n{s['shard_id']} output (last {len(s['output_tail'])} lines):\n"
+            + "\n".join(f"  | {line}" for line in s["output_tail"])
+            for r in doc
+            for s in r["shards"]
+            if s["state"] == "failed" and s.get("output_tail")
+        ]
+        return "\n".join([table, *tails])
     if command == "why":
         out = [f"{doc['model']}: {len(doc['placed'])}/{doc['replicas_wanted']} replica(s) placed"]
         for r in doc["placed"]:

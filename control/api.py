@@ -105,6 +105,10 @@ def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
                     "master": f"{shard.master_addr}:{shard.master_port}" if shard.nnodes > 1 else "",
                     "error": status.error if status else "",
                     "exit_code": status.exit_code if status else None,
+                    # The engine process and, for a failed one, the last lines it wrote: why it died
+                    # is in the engine's own words, and a person should not need a shell on the node.
+                    "pid": status.pid if status else 0,
+                    "output_tail": list(status.output_tail) if status else [],
                     "failures": plane.reconciler.failures(shard.node_id, shard.shard_id),
                     "retry_in_s": round(max(retry - now, 0.0), 1) if retry else None,
                 }

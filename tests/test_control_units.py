@@ -216,3 +216,41 @@ def test_routes_move_to_the_replacement_only_once_it_is_ready(tmp_path: object) 
     assert [u.url for u in plane.routes()["chat"].upstreams] == [
         f"http://10.0.0.{new.node_id[-1]}:{new.port}"
     ]
+
+
+def test_ctl_replicas_shows_a_failed_engines_output_tail() -> None:
+    from control.__main__ import render
+
+    def shard(shard_id: str, state: str, tail: list[str]) -> dict[str, object]:
+        return {
+            "shard_id": shard_id,
+            "node_id": "cpu01",
+            "node_state": "ready",
+            "state": state,
+            "gpus": [],
+            "url": "http://127.0.0.1:23700",
+            "node_rank": 0,
+            "nnodes": 1,
+            "master": "",
+            "error": "engine killed by SIGKILL after it was ready" if state == "failed" else "",
+            "exit_code": 137 if state == "failed" else None,
+            "pid": 4242,
+            "output_tail": tail,
+            "failures": 1 if state == "failed" else 0,
+            "retry_in_s": 2.5 if state == "failed" else None,
+        }
+
+    doc = [
+        {
+            "model": "tiny",
+            "replica_id": "tiny-r0",
+            "shards": [
+                shard("tiny-r0-s0", "failed", ["srv  update_slots: all slots are idle"]),
+                shard("tiny-r1-s0", "ready", ["not shown: this one is fine"]),
+            ],
+        }
+    ]
+    text = render("replicas", doc)
+    assert "killed by SIGKILL after it was ready; retry in 2.5s (failures: 1)" in text
+    assert "tiny-r0-s0 output (last 1 lines):\n  | srv  update_slots: all slots are idle" in text
+    assert "not shown" not in text

@@ -290,6 +290,7 @@ def test_llamacpp_gpu_argv_splits_by_memory() -> None:
         "--alias", "qwen-7b",
         "--host", "0.0.0.0",
         "--port", "8001",
+        "--metrics",
         "-c", "32768",
         "-np", "4",
         "-ngl", "999",
@@ -312,7 +313,7 @@ def test_llamacpp_cpu_argv() -> None:
     cmd = llamacpp.build_command(spec(p, gpu_indices=[]), ctx("llama-server", host="127.0.0.1"))
     assert cmd.argv == (
         "llama-server", "-m", "m.gguf", "--alias", "m.gguf", "--host", "127.0.0.1", "--port", "8001",
-        "-np", "4", "-ngl", "0", "--threads", "8",
+        "--metrics", "-np", "4", "-ngl", "0", "--threads", "8",
     )  # fmt: skip
     assert dict(cmd.env) == {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -320,7 +321,9 @@ def test_llamacpp_cpu_argv() -> None:
 def test_llamacpp_readiness_and_stop() -> None:
     ready = llamacpp.readiness(spec(profile("llamacpp", model="m.gguf")))
     assert ready.paths == ("/health",) and ready.loading_statuses == (503,)
+    # llama-server cuts open streams on SIGTERM: the supervisor drains it through /metrics instead.
     assert not llamacpp.STOP.drains_in_flight and llamacpp.STOP.graceful_flag == ""
+    assert "/metrics" in llamacpp.STOP.note
 
 
 # ---------------------------------------------------------------------------------------------

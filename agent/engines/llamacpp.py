@@ -1,19 +1,27 @@
-"""llama.cpp: ``llama-server -m MODEL.gguf ...``, pinned to the ``common/arg.cpp`` of late-2025
-llama.cpp (ggml-org/llama.cpp, the version with ``-fit``/``--fit``); every flag used here is older
-and unchanged since 2024.
+"""llama.cpp: ``llama-server -m MODEL.gguf ...``, pinned to the llama.cpp that llama-cpp-python
+0.3.36 vendors (``llama-server --version``: 0.5.0-dev, commit 0c1e570; ggml 0.25.3): the one ``nox -s engines`` builds and the
+end-to-end test runs (``tests/test_e2e_llamacpp.py``). Every flag below was checked against that
+binary's ``--help`` and its ``common/arg.cpp``; all of them are older and unchanged since 2024.
 
-Flags, from ``common/arg.cpp``:
+Flags:
 
-- ``-m``/``--model FNAME``, ``-a``/``--alias STRING`` (the model name the REST API reports),
-  ``--host``, ``--port``.
+- ``-m``/``--model FNAME``, ``-a``/``--alias STRING`` (the model name the REST API reports, and so
+  the name the router routes by), ``--host``, ``--port``.
 - ``-c``/``--ctx-size N``: the *total* context, shared by the slots; each of ``-np``/``--parallel N``
-  slots gets N-th of it. So ``-c`` is ``max_model_len x slots``, which gives every concurrent
-  request the profile's context length. ``SLOTS`` is fixed here; a profile that wants another
-  count passes ``-np`` and ``-c`` in ``extra_args`` (the last occurrence wins).
-- GPUs: ``-ngl``/``--n-gpu-layers 999`` (offload every layer), ``-sm``/``--split-mode
-  {none,layer,row}`` (``row`` when the profile asks for tensor parallelism, else ``layer``),
-  ``-ts``/``--tensor-split`` (proportions, here each GPU's memory; omitted when the sizes are
-  unknown, and llama.cpp then splits by free memory), ``-mg``/``--main-gpu 0``.
+  slots gets N-th of it (an explicit ``-np`` also turns off the unified KV cache that an automatic
+  slot count would pick). So ``-c`` is ``max_model_len x slots``, which gives every concurrent
+  request the profile's context length (capped by the model's own trained context). ``SLOTS`` is
+  fixed here; a profile that wants another count passes ``-np`` and ``-c`` in ``extra_args`` (the
+  last occurrence wins). Without ``max_model_len`` the server's default applies: 0, the model's
+  whole trained context (which ``--fit``, on by default, may shrink to fit memory).
+- ``--metrics``: the Prometheus endpoint ``/metrics``, off by default. Drain needs it: its gauge
+  ``llamacpp:requests_processing`` (busy slots; ``llamacpp:requests_deferred`` counts the queued
+  ones) is how the supervisor knows in-flight requests have finished.
+- GPUs: ``-ngl``/``--n-gpu-layers 999`` (offload every layer; ``all`` means the same to newer
+  servers only), ``-sm``/``--split-mode {none,layer,row,tensor}`` (``row`` when the profile asks
+  for tensor parallelism, else ``layer``), ``-ts``/``--tensor-split`` (proportions, here each GPU's
+  memory; omitted when the sizes are unknown, and llama.cpp then splits by free memory),
+  ``-mg``/``--main-gpu 0`` (the first of the shard's GPUs, as CUDA_VISIBLE_DEVICES numbers them).
 - CPU-only: ``-ngl 0`` and an empty ``CUDA_VISIBLE_DEVICES``, so a CUDA build on a GPU node
   cannot wander onto GPUs another shard owns.
 
@@ -22,11 +30,17 @@ may name the file's GGUF type (``Q4_K_M``...; the list of ``tools/quantize``) fo
 estimate, and ``dtype`` must be empty or ``auto``. ``gpu_memory_utilization`` has no llama.cpp
 equivalent; it only scales the memory estimate.
 
-Readiness: ``/health`` answers 503 (``ERROR_TYPE_UNAVAILABLE``, "Loading model") while the model
-loads and 200 after. ``/v1/models`` is not a signal: newer servers answer it during loading.
+Readiness: ``/health`` answers 503 (``{"error": {"code": 503, "message": "Loading model"}}``) while
+the model loads and 200 after; the end-to-end test sees both. ``/v1/models`` is not a signal: the
+server answers it during loading.
 
-Stop: llama-server does **not** drain in-flight requests on SIGTERM: it stops the HTTP server and
-exits, cutting open streams. Drain at the router before stopping it.
+Stop: llama-server does **not** drain in-flight requests on SIGTERM, and has no flag to. Its signal
+handler stops the task loop at once: open streams get no more tokens and no end (no
+``finish_reason``, no ``[DONE]``). Seen against the pinned binary, the process then sometimes exits
+and sometimes hangs, streams open, until the clients hang up or the SIGKILL after the stop grace;
+the end-to-end test checks the cut streams. So ``drains_in_flight`` is false and a drain is ours to do: the shard goes DRAINING (the
+router stops sending it new requests), the supervisor polls ``/metrics`` until no request is in
+flight, and only then sends SIGTERM.
 """
 
 from __future__ import annotations
@@ -83,7 +97,10 @@ GGUF_TYPES = (
 )
 
 STOP = StopBehaviour(
-    note="llama-server does not drain in-flight requests on SIGTERM; drain at the router first"
+    note=(
+        "llama-server does not drain in-flight requests on SIGTERM (it cuts open streams); "
+        "drain waits for its /metrics in-flight gauges to reach 0 before stopping it"
+    )
 )
 
 
@@ -142,6 +159,7 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
         ctx.host,
         "--port",
         str(spec.http_port),
+        "--metrics",
     ]
     if profile.max_model_len:
         argv += ["-c", str(profile.max_model_len * SLOTS)]

@@ -45,7 +45,7 @@ DEFAULT_READY_TIMEOUT = 900.0
 
 # Gauges of in-flight requests, by engine: a drain waits for these to reach zero before stopping.
 _IN_FLIGHT = re.compile(
-    rb"^(vllm:num_requests_running|sglang:num_running_reqs|llamacpp:requests_processing)(\{[^}]*\})?\s+([0-9.eE+-]+)",
+    rb"^(vllm:num_requests_running|sglang:num_running_reqs|llamacpp:requests_processing|llamacpp:requests_deferred)(\{[^}]*\})?\s+([0-9.eE+-]+)",
     re.MULTILINE,
 )
 
