@@ -7,6 +7,11 @@ replicas are ready; streams a chat completion through the router with the ``open
 ``ctl nodes`` and ``ctl replicas``; and exits cleanly, ending every process it started (engines
 included: they outlive agents by design). ``--serve`` keeps everything running and says where the
 router listens.
+
+``--engine llamacpp`` runs the same story on a real engine: llama.cpp's ``llama-server`` (built once
+from the pinned sdist into ``~/.cache/llmgw/llama.cpp/``, about 15 minutes on 2 cores, by the same
+``enginebuild`` module ``nox -s engines`` uses) loading a tiny random-weight llama, on two agents
+with CPU-only inventories, so the streamed tokens are the engine's own (and nonsense).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import openai
@@ -88,6 +94,81 @@ NODES = [
 ]
 
 
+TINY_MODEL = "tiny-llama"
+
+#: The real-engine catalog: one CPU-only replica per node, llama-server loading the tiny GGUF.
+LLAMACPP_CATALOG = """
+state_dir = "{state}"
+reconcile_interval = 0.5
+[listen]
+agents = "127.0.0.1:{agents}"
+api = "127.0.0.1:{api}"
+router = "127.0.0.1:{router}"
+[engines]
+ports = "21000-21999"
+[liveness]
+unreachable_after = 6
+lost_after = 60
+
+[[models]]
+name = "{model}"
+replicas = 2
+ready_timeout = 120
+[models.gpus]
+count = 0
+[models.profile]
+engine = "llamacpp"
+model = "{gguf}"
+served_model_name = "{model}"
+max_model_len = 512
+extra_args = ["--threads", "1"]
+"""
+
+CPU_ONLY = "# A node without GPUs: llama.cpp runs on its CPU.\ngpus = []\n"
+
+
+class Setup(NamedTuple):
+    """What differs between the demo's engines: the model, the catalog, the nodes, the binaries."""
+
+    model: str
+    catalog: str
+    #: (node id, mgmt address, inventory TOML, fabrics, engine ports)
+    nodes: list[tuple[str, str, str, str, str]]
+    engines: str
+    gguf: str = ""
+
+
+SIM = Setup(MODEL, CATALOG, NODES, f"vllm={sys.executable} -m agent.engines.sim")
+
+
+def llamacpp_setup() -> Setup:
+    """The cached llama-server and tiny model, built first when absent (that takes a while)."""
+    from enginebuild import llamacpp as enginebuild
+
+    built = enginebuild.installed()
+    if built is None:
+        say(
+            f"llama-server is not built yet: building it from llama-cpp-python {enginebuild.VERSION} "
+            f"into {enginebuild.cache().root} ({enginebuild.BUILD_TIME_HINT}, once)"
+        )
+        try:
+            built = enginebuild.ensure(say=lambda text: say(f"engines | {text}"))
+        except enginebuild.BuildError as exc:
+            raise SystemExit(f"demo: cannot build llama-server: {exc}") from exc
+        except ImportError as exc:
+            raise SystemExit(
+                f"demo: writing the tiny model needs the gguf package ({exc}): "
+                "pip install -e '.[engines]', or run nox -s demo -- --engine llamacpp"
+            ) from exc
+    say(f"engine: {built.server}")
+    say(f"model: {built.model} (random weights: the tokens are real, the text is nonsense)")
+    nodes = [
+        ("cpu01", "127.0.0.1", CPU_ONLY, "", "21000-21099"),
+        ("cpu02", "127.0.0.2", CPU_ONLY, "", "21100-21199"),
+    ]
+    return Setup(TINY_MODEL, LLAMACPP_CATALOG, nodes, f"llamacpp={built.server}", gguf=str(built.model))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,8 +180,10 @@ def say(text: str) -> None:
 
 
 class Demo:
-    def __init__(self, workdir: Path, router_port: int) -> None:
+    def __init__(self, workdir: Path, router_port: int, setup: Setup = SIM) -> None:
         self.workdir = workdir
+        self.setup = setup
+        self.model = setup.model
         self.procs: list[subprocess.Popen[bytes]] = []
         self.api_port = free_port()
         self.agent_port = free_port()
@@ -115,12 +198,13 @@ class Demo:
     def start(self) -> None:
         config = self.workdir / "llmgw.toml"
         config.write_text(
-            CATALOG.format(
+            self.setup.catalog.format(
                 state=self.workdir / "control-state",
                 agents=self.agent_port,
                 api=self.api_port,
                 router=self.router_port,
-                model=MODEL,
+                model=self.model,
+                gguf=self.setup.gguf,
             )
         )
         self.spawn([sys.executable, "-m", "control", "--config", str(config)], self.workdir / "control.log")
@@ -131,7 +215,7 @@ class Demo:
         say(
             f"control plane up: agents on :{self.agent_port}, admin API on :{self.api_port}, router on :{self.router_port}"
         )
-        for node_id, addr, inv, fabric, ports in NODES:
+        for node_id, addr, inv, fabric, ports in self.setup.nodes:
             node_dir = self.workdir / node_id
             node_dir.mkdir()
             (node_dir / "inventory.toml").write_text(inv)
@@ -142,7 +226,7 @@ class Demo:
                     "--inventory", str(node_dir / "inventory.toml"),
                     "--state-dir", str(node_dir), "--mgmt-addr", addr, "--fabrics", fabric,
                     "--engine-ports", ports, "--heartbeat-interval", "1", "--stop-grace", "5",
-                    "--engines", f"vllm={sys.executable} -m agent.engines.sim",
+                    "--engines", self.setup.engines,
                 ],
                 node_dir / "agent.log",
             )  # fmt: skip
@@ -171,7 +255,7 @@ class Demo:
             assert isinstance(replicas, list)
             states = [f"{r['replica_id']}: {'/'.join(s['state'] for s in r['shards'])}" for r in replicas]
             if not replicas:
-                why = self.api(f"/api/why/{MODEL}")
+                why = self.api(f"/api/why/{self.model}")
                 assert isinstance(why, dict)
                 states = [u["reason"] for u in why["unplaced"][:1]] or ["placing"]
             ready = sum(r["state"] == "ready" for r in replicas)
@@ -186,10 +270,10 @@ class Demo:
 
     def chat(self) -> None:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.router_port}/v1", api_key="demo")
-        say(f"POST /v1/chat/completions via the router (model {MODEL}, streaming):")
+        say(f"POST /v1/chat/completions via the router (model {self.model}, streaming):")
         print("    ", end="", flush=True)
         stream = client.chat.completions.create(
-            model=MODEL,
+            model=self.model,
             messages=[{"role": "user", "content": "Say hello to the fleet."}],
             stream=True,
             max_tokens=24,
@@ -219,7 +303,7 @@ class Demo:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        engines = [int(json.loads(r.read_text())["pid"]) for r in self.workdir.glob("gpu*/shards/*.json")]
+        engines = [int(json.loads(r.read_text())["pid"]) for r in self.workdir.glob("*/shards/*.json")]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in engines:
                 try:
@@ -240,12 +324,20 @@ def _zombie(pid: int) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="llmgw demo: control plane, two agents, sim engines, router")
+    parser = argparse.ArgumentParser(description="llmgw demo: control plane, two agents, engines, router")
     parser.add_argument("--serve", action="store_true", help="keep serving after the demo (Ctrl-C to stop)")
     parser.add_argument("--router-port", type=int, default=0, help="router port (default: a free one)")
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "llamacpp"),
+        default="sim",
+        help="sim: vLLM profiles on the engine simulator (default); llamacpp: real llama-server "
+        "engines on CPU (built into ~/.cache/llmgw/llama.cpp/ first if absent, about 15 min)",
+    )
     args = parser.parse_args()
+    setup = llamacpp_setup() if args.engine == "llamacpp" else SIM
     with tempfile.TemporaryDirectory(prefix="llmgw-demo-") as tmp:
-        demo = Demo(Path(tmp), args.router_port)
+        demo = Demo(Path(tmp), args.router_port, setup)
         try:
             demo.start()
             demo.wait_ready()
@@ -254,7 +346,7 @@ def main() -> int:
             demo.ctl("replicas")
             if args.serve:
                 say(
-                    f"serving: the router listens on http://127.0.0.1:{demo.router_port}/v1 (model {MODEL}); Ctrl-C to stop"
+                    f"serving: the router listens on http://127.0.0.1:{demo.router_port}/v1 (model {demo.model}); Ctrl-C to stop"
                 )
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
                 signal.sigwait({signal.SIGINT, signal.SIGTERM})

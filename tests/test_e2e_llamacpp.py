@@ -15,7 +15,10 @@ may not pass by not running.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -298,3 +301,33 @@ async def _stop_two_ways(sup: Supervisor, profile: schema.EngineProfile) -> None
             # SIGTERM cuts the stream mid-response without an end: why drain exists. (Whether the
             # process then exits or hangs until the SIGKILL after the stop grace varies by run.)
             assert "data: [DONE]" not in lines and not done and len(tokens) < LONG - 1, lines[-3:]
+
+
+def test_demo_on_llamacpp_engines(engine: enginebuild.Built) -> None:
+    """``python -m demo --engine llamacpp`` on the cached build: two CPU-only nodes, real tokens."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "demo", "--engine", "llamacpp"], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert f"engine: {engine.server}" in out and "waiting for replicas: 2/2 ready" in out
+    streamed = out.split("(model tiny-llama, streaming):", 1)[1].splitlines()[1]
+    assert streamed.strip()  # tokens the engines generated arrived through the router
+    assert re.search(r"cpu01\s+ready", out) and re.search(r"cpu02\s+ready", out)
+    assert out.rstrip().endswith("demo | done")
+    # Every llama-server the demo started is gone again.
+    assert not _llama_servers(str(engine.model).encode())
+
+
+def _llama_servers(marker: bytes) -> list[int]:
+    """Live llama-server processes whose command line names ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"/llama-server") and marker in argv and pid_alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
