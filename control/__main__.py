@@ -13,6 +13,7 @@ with ``--json`` as the API's JSON:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -173,8 +174,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"llmgw-control: {exc}", file=sys.stderr)
         return 2
+    tune_gc()
     trio.run(_serve, ControlPlane(config))
     return 0
+
+
+def tune_gc() -> None:
+    """Make full garbage collections rare. A control plane holds a large, long-lived heap (a stream,
+    an h2 connection and a node record per node); with CPython's default thresholds a full
+    collection walks all of it every few thousand allocations, which at 5,000 nodes measured 3 s
+    pauses, long enough for every node to look silent. The heap has few reference cycles, so
+    collecting rarely costs little memory."""
+    gc.freeze()  # what exists at start-up (modules, config) is never garbage
+    gc.set_threshold(100_000, 50, 1000)
 
 
 if __name__ == "__main__":

@@ -412,6 +412,8 @@ class ControlPlane:
             except Exception:
                 log.exception("reconcile pass failed; retrying")
             took = time.perf_counter() - started
+            if took > 0.1:
+                log.info("reconcile pass took %.0f ms (%d nodes)", took * 1000, len(self.fleet.nodes))
             now = self.clock()
             wait = min(self.config.reconcile_interval, max(self.fleet.next_deadline(now) - now, 0.05))
             with trio.move_on_after(wait):
