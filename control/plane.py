@@ -53,6 +53,11 @@ def _cc(text: str) -> tuple[int, int]:
         return (0, 0)
 
 
+def _same_key(a: object, b: tuple[object, ...]) -> bool:
+    assert isinstance(a, tuple)
+    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))
+
+
 def model_name_of(replica_id: str) -> str:
     """``llama-70b-r1`` -> ``llama-70b`` (replica ids are ``{model}-r{index}``)."""
     return replica_id.rsplit("-r", 1)[0]
@@ -89,7 +94,7 @@ class ControlPlane:
         self._wake = trio.Event()
         self._converter = cattrs.Converter()
         self._views: dict[str, tuple[object, NodeView]] = {}
-        self._encoded: dict[str, tuple[int, str]] = {}
+        self._encoded: dict[str, tuple[schema.Register, str]] = {}
         self._saved_key: object = None
         self._plan_key: object = None
 
@@ -136,9 +141,10 @@ class ControlPlane:
         (a fleet of thousands heartbeats constantly; rebuilding every view each pass would not scale)."""
         views = []
         for node in self.fleet.nodes.values():
-            key = (id(node.register), node.state, node.draining)
+            # The Register object itself, compared by identity: ids of freed objects are reused.
+            key = (node.register, node.state, node.draining)
             cached = self._views.get(node.node_id)
-            if cached is None or cached[0] != key:
+            if cached is None or not _same_key(cached[0], key):
                 cached = (key, self._view(node))
                 self._views[node.node_id] = cached
             views.append(cached[1])
@@ -212,7 +218,7 @@ class ControlPlane:
             if not any(s.node_id in draining for s in r.shards)
         )
         views = self.node_views()
-        key = (tuple(map(id, views)), current)
+        key = (tuple(views), current)
         if key != self._plan_key:
             self.plan = await trio.to_thread.run_sync(place, self.model_specs(), views, current)
             self._plan_key = key
@@ -259,34 +265,47 @@ class ControlPlane:
         live += [(n.node_id, sid) for n in self.fleet.nodes.values() for sid in n.shards]
         self.reconciler.forget(live)
         self.build_routes()
-        self.save()
+        await self.save()
 
     # -- persistence --------------------------------------------------------------------------------
 
-    def save(self) -> None:
-        """Write what a restart needs, when it changed. Encoded Registers are cached per node: a
-        Register changes only when its node registers again, and encoding thousands each pass would
-        starve the event loop that reads heartbeats."""
-        nodes = {}
-        for n in self.fleet.nodes.values():
-            if n.state is NodeState.LOST:
-                continue
-            cached = self._encoded.get(n.node_id)
-            if cached is None or cached[0] != id(n.register):
-                cached = (id(n.register), base64.b64encode(bytes(n.register)).decode())
-                self._encoded[n.node_id] = cached
-            nodes[n.node_id] = cached[1]
-        for gone in set(self._encoded) - set(self.fleet.nodes):
+    async def save(self) -> None:
+        """Write what a restart needs, when it changed.
+
+        Encoded Registers are cached per node (a Register changes only when its node registers
+        again), and new ones are encoded in a worker thread along with the file write: betterproto2
+        takes ~2 ms per Register, so a registration storm of thousands would otherwise hold the event
+        loop, and with it every node's heartbeats, for seconds.
+        """
+        live = [n for n in self.fleet.nodes.values() if n.state is not NodeState.LOST]
+        fresh = [
+            (n.node_id, n.register)
+            for n in live
+            if (cached := self._encoded.get(n.node_id)) is None or cached[0] is not n.register
+        ]
+        if fresh:
+            encoded = await trio.to_thread.run_sync(
+                lambda: [(nid, reg, base64.b64encode(bytes(reg)).decode()) for nid, reg in fresh]
+            )
+            for nid, reg, text in encoded:
+                self._encoded[nid] = (reg, text)
+        for gone in set(self._encoded) - {n.node_id for n in live}:
             del self._encoded[gone]
-        key = (tuple(sorted(nodes.items())), self.placements)
+        key = (tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())), self.placements)
         if key == self._saved_key:
             return
-        doc = {"nodes": nodes, "placements": self._converter.unstructure(list(self.placements))}
+        doc = {
+            "nodes": {nid: text for nid, (_, text) in self._encoded.items()},
+            "placements": self._converter.unstructure(list(self.placements)),
+        }
+        await trio.to_thread.run_sync(self._write_state, doc)
+        self._saved_key = key
+
+    def _write_state(self, doc: dict[str, Any]) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, sort_keys=True))
         os.replace(tmp, self.state_file)
-        self._saved_key = key
 
     def restore(self) -> None:
         try:
