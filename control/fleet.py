@@ -58,8 +58,12 @@ class Fleet:
     unreachable_after: float
     lost_after: float
     nodes: dict[str, Node] = attrs.field(factory=dict)
+    #: Bumped on every change placement or persistence cares about (a Register, a state change, a
+    #: drain), so that a pass with nothing new can skip rebuilding views of thousands of nodes.
+    generation: int = 0
 
     def _move(self, node: Node, new: NodeState, now: float, reason: str) -> Transition:
+        self.generation += 1
         t = Transition(node.node_id, node.state if node.history else None, new, now, reason)
         node.state, node.since = new, now
         if new is NodeState.UNREACHABLE:
@@ -70,6 +74,7 @@ class Fleet:
 
     def registered(self, register: schema.Register, now: float) -> list[Transition]:
         """A node (re)registered: it is ready, and its shard list replaces what we knew."""
+        self.generation += 1
         node = self.nodes.get(register.node_id)
         shards = {s.shard_id: s for s in register.shards}
         if node is None:

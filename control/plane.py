@@ -97,6 +97,9 @@ class ControlPlane:
         self._encoded: dict[str, tuple[schema.Register, str]] = {}
         self._saved_key: object = None
         self._plan_key: object = None
+        self._views_generation = -1
+        self._views_list: list[NodeView] = []
+        self._saved_generation: object = None
 
     # -- events -------------------------------------------------------------------------------------
 
@@ -117,6 +120,7 @@ class ControlPlane:
         if node is None:
             raise KeyError(f"no node {node_id!r}")
         node.draining = True
+        self.fleet.generation += 1
         log.info("node %s: draining (cordoned; replicas move elsewhere)", node_id)
         self.poke()
 
@@ -139,6 +143,8 @@ class ControlPlane:
     def node_views(self) -> list[NodeView]:
         """Placement's view of every node, rebuilt only for nodes whose Register or state changed
         (a fleet of thousands heartbeats constantly; rebuilding every view each pass would not scale)."""
+        if self._views_generation == self.fleet.generation:
+            return self._views_list
         views = []
         for node in self.fleet.nodes.values():
             # The Register object itself, compared by identity: ids of freed objects are reused.
@@ -150,6 +156,7 @@ class ControlPlane:
             views.append(cached[1])
         for gone in set(self._views) - set(self.fleet.nodes):
             del self._views[gone]
+        self._views_generation, self._views_list = self.fleet.generation, views
         return views
 
     def _view(self, node: Node) -> NodeView:
@@ -277,6 +284,9 @@ class ControlPlane:
         takes ~2 ms per Register, so a registration storm of thousands would otherwise hold the event
         loop, and with it every node's heartbeats, for seconds.
         """
+        if (self.fleet.generation, self.placements) == self._saved_generation:
+            return  # nothing a restart needs has changed since the last write
+        generation = (self.fleet.generation, self.placements)
         live = [n for n in self.fleet.nodes.values() if n.state is not NodeState.LOST]
         fresh = [
             (n.node_id, n.register)
@@ -293,6 +303,7 @@ class ControlPlane:
             del self._encoded[gone]
         key = (tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())), self.placements)
         if key == self._saved_key:
+            self._saved_generation = generation
             return
         doc = {
             "nodes": {nid: text for nid, (_, text) in self._encoded.items()},
@@ -300,6 +311,7 @@ class ControlPlane:
         }
         await trio.to_thread.run_sync(self._write_state, doc)
         self._saved_key = key
+        self._saved_generation = generation
 
     def _write_state(self, doc: dict[str, Any]) -> None:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
