@@ -356,8 +356,24 @@ async def drive(port: int, request: bytes, concurrency: int, warmup: float, seco
         async with trio.open_nursery() as nursery:
             for _ in range(concurrency):
                 nursery.start_soon(client, port, request, record_from, level)
-    await trio.sleep(0.5)  # let the engine see the cancelled streams go before the next point
     return level
+
+
+def settle(pids: Sequence[int], timeout: float = 60.0) -> str:
+    """Wait until every process under test is idle (under 5% of a CPU together over 0.25 s), so one
+    point's leftovers do not run on the next: a proxy that fell behind keeps working through
+    abandoned streams after its clients left (LiteLLM at concurrency 256 did for seconds). Returns
+    a note when the deadline passed first."""
+    deadline = time.monotonic() + timeout
+    before = sum(tree_cpu(p) for p in pids)
+    while True:
+        time.sleep(0.25)
+        after = sum(tree_cpu(p) for p in pids)
+        if after - before < 0.05 * 0.25:
+            return ""
+        if time.monotonic() > deadline:
+            return f"the processes under test were still busy {timeout:g} s after the point ended"
+        before = after
 
 
 def measure(
@@ -536,6 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes: list[str] = []
         for c in levels:
             for name, port, req, pid in targets:
+                busy = settle([t[3] for t in targets])
+                if busy:
+                    notes.append(f"before {name} at concurrency {c}: {busy}")
                 level = measure(port, req, c, args.warmup, args.seconds, pid)
                 results[name, c] = level
                 d = results["direct", c]
@@ -617,6 +636,11 @@ def report(results: dict[tuple[str, int], Level], levels: list[int], with_litell
             print(
                 f"  concurrency {c}: router/LiteLLM req/s {rr.rps / ll.rps:.2f}x; added TTFB p99: router "
                 f"{added('router', c, 0.99) * 1000:.2f} ms, LiteLLM {added('litellm', c, 0.99) * 1000:.2f} ms"
+            )
+        else:
+            print(
+                f"  concurrency {c}: LiteLLM completed no request inside the {ll.seconds:g} s window "
+                f"({ll.errors} errors); the router completed {rr.rps:.1f} req/s"
             )
     # At equal added p99: LiteLLM's best throughput, against the router's best throughput among the
     # points where its added p99 is no worse than LiteLLM's there.
