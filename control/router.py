@@ -72,6 +72,8 @@ import attrs
 import h11
 import trio
 
+from control.relay import ClientGone, EngineClosed, RelayClosed, RelayPump
+
 log = logging.getLogger("llmgw.router")
 
 RECEIVE_SIZE = 65536
@@ -720,7 +722,7 @@ class Metrics:
         row[-2] += seconds
         row[-1] += 1
 
-    def exposition(self, balancer: Balancer, pool: _Pool, now: float) -> bytes:
+    def exposition(self, balancer: Balancer, pool: _Pool, pump: RelayPump, now: float) -> bytes:
         out: list[str] = []
 
         def family(name: str, kind: str, text: str) -> None:
@@ -784,6 +786,16 @@ class Metrics:
         family("llmgw_router_idle_connections", "gauge", "Pooled keep-alive connections per upstream.")
         for url, n in sorted(pool.idle_counts().items()):
             out.append(f'llmgw_router_idle_connections{{url="{_label(url)}"}} {n}')
+        streams, blocked = pump.stats()
+        family("llmgw_router_streams", "gauge", "Response bodies being streamed to clients.")
+        out.append(f"llmgw_router_streams {streams}")
+        family(
+            "llmgw_router_streams_client_blocked",
+            "gauge",
+            "Streams paused because their client reads slower than the engine writes (the engine "
+            "is not read until the client drains).",
+        )
+        out.append(f"llmgw_router_streams_client_blocked {blocked}")
         return ("\n".join(out) + "\n").encode()
 
 
@@ -880,6 +892,7 @@ class Router:
             max_idle=pool_max_idle, idle_timeout=pool_idle_timeout, connect_timeout=connect_timeout
         )
         self.metrics = Metrics()
+        self.pump = RelayPump()
         self.created = int(time.time())
 
     # -- the service -----------------------------------------------------------------------------
@@ -893,6 +906,7 @@ class Router:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._housekeeping)
+                await nursery.start(self.pump.run)
                 await nursery.start(trio.serve_listeners, self._handle_connection, listeners)
                 task_status.started(bound)
         finally:
@@ -1001,7 +1015,7 @@ class Router:
                 if path == b"/health":
                     await self._send(ex, 200, b'{"status":"ok"}\n')
                 else:
-                    data = self.metrics.exposition(self.balancer, self.pool, self.clock())
+                    data = self.metrics.exposition(self.balancer, self.pool, self.pump, self.clock())
                     await self._send(ex, 200, data, b"text/plain; version=0.0.4; charset=utf-8")
                 return
             if path != MODELS and path not in PROXIED:
@@ -1307,27 +1321,29 @@ class Router:
     async def _relay_chunked(
         self, ex: _Exchange, conn: _UpstreamConn, buf: bytes, out: bytes, keep_alive: bool
     ) -> bool:
-        """The hot loop: chunked bytes pass through unchanged. h11 frames only the head; its
-        EndOfMessage bytes are dropped because the engine's last chunk was relayed already."""
+        """The hot path: chunked bytes pass through unchanged. The head and the first event are
+        written here (time to first byte never waits on the pump); the rest of the body goes to
+        the relay pump (``control.relay``). h11 frames only the head; its EndOfMessage bytes are
+        dropped because the engine's last chunk was relayed already."""
         scanner = ChunkedScanner()
-        extra = False
         data = buf
-        while True:
-            if data:
-                used = scanner.feed(data)
-                if used < len(data):
-                    extra, data = True, data[:used]
-                if out:
-                    data, out = out + data, b""
-                await self._write(ex, data)
-                if scanner.done:
-                    break
-            elif out:
-                await self._write(ex, out)
+        while not data:
+            if out:
+                await self._write(ex, out)  # the head alone: the client sees it at once
                 out = b""
             data = await conn.recv()
             if not data:
                 raise _UpstreamBroken("the engine closed the connection mid-response")
+        used = scanner.feed(data)
+        extra = used < len(data)
+        await self._write(ex, out + data[:used])
+        if not scanner.done:
+            try:
+                extra = not await self.pump.relay(conn.sock, ex.fd, scanner)
+            except EngineClosed as exc:
+                raise _UpstreamBroken(str(exc)) from None
+            except (ClientGone, RelayClosed) as exc:
+                raise _ClientGone(str(exc)) from None
         ex.conn.send(h11.EndOfMessage())
         return keep_alive and not extra
 

@@ -9,8 +9,10 @@ router runs in the test's trio loop (``nursery.start(router.serve, ...)``) and t
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -179,6 +181,18 @@ def sample(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def sample_plain(text: str, name: str) -> float:
+    """The value of a sample without labels."""
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def normal_ids(b: bytes) -> bytes:
+    """A response body without its per-request id and creation time."""
+    return re.sub(rb'"created":\d+', b"", re.sub(rb"chatcmpl-[0-9a-f]+", b"ID", b))
+
+
 CHAT: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a story"}]
 
 
@@ -254,10 +268,7 @@ async def test_stream_is_relayed_byte_for_byte(nursery: trio.Nursery, engines: t
     via, headers = await fetch(base)
     direct, _ = await fetch(engines[0].url)
 
-    def normal(b: bytes) -> bytes:
-        return re.sub(rb'"created":\d+', b"", re.sub(rb"chatcmpl-[0-9a-f]+", b"ID", b))
-
-    assert normal(via) == normal(direct)
+    assert normal_ids(via) == normal_ids(direct)
     assert headers["content-type"] == "text/event-stream"
     assert headers["x-llmgw-replica"] == "r0"
 
@@ -287,6 +298,83 @@ async def test_client_disconnect_cancels_the_engine_request(
     text = await trio.to_thread.run_sync(metrics_of, base)
     assert sample(text, "llmgw_router_client_disconnects_total", model=MODEL) == 1
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
+
+
+async def test_slow_client_pauses_its_stream_and_loses_nothing(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A client that does not read: its stream waits (the engine is not read meanwhile), shows in
+    /metrics, and once the client reads, every byte arrives as the engine sent it."""
+    fast = await trio.to_thread.run_sync(start_engine, tmp_path, "fast", {"LLMGW_SIM_ITL_MS": "0"})
+    try:
+        router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", fast.url),))}))
+        base = await serve(nursery, router)
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "slow"}],
+                "max_tokens": 6000,
+                "stream": True,
+            }
+        ).encode()
+        request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        await sock.send(request)
+        await apoll("the stream to wait for its slow client", lambda: router.pump.stats() == (1, 1))
+        text = await trio.to_thread.run_sync(metrics_of, base)
+        assert sample_plain(text, "llmgw_router_streams_client_blocked") == 1
+        received = b""
+        with trio.fail_after(30):
+            while not received.endswith(b"\r\n0\r\n\r\n"):
+                data = await sock.recv(65536)
+                assert data, "the router closed the connection mid-stream"
+                received += data
+        sock.close()
+        direct = await trio.to_thread.run_sync(
+            lambda: httpx.post(f"{fast.url}/v1/chat/completions", content=body, timeout=30).content
+        )
+        events = received.split(b"\r\n\r\n", 1)[1]
+        scanner = ChunkedScanner(decode=True)
+        assert scanner.feed(events) == len(events) and scanner.done
+        relayed = b"".join(scanner.payloads)
+        assert len(relayed) > 1_000_000  # well past the sockets' buffers: the pause was needed
+        assert normal_ids(relayed) == normal_ids(direct)
+        assert router.pump.stats() == (0, 0)
+    finally:
+        stop_engines([fast])
+
+
+async def test_engine_dying_mid_stream_ends_the_client_response(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The engine's connection breaks after the first events: the client's response ends at once as
+    incomplete (not hanging, not looking complete), and the failure is counted."""
+    doomed = await trio.to_thread.run_sync(start_engine, tmp_path, "doomed")
+    router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", doomed.url),))}))
+    base = await serve(nursery, router)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "die"}],
+        "max_tokens": 500,
+        "stream": True,
+    }
+    events = 0
+    with trio.fail_after(15):
+        async with httpx.AsyncClient() as c, c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for chunk in r.aiter_raw():
+                    events += chunk.count(b"data: ")
+                    if events >= 3 and doomed.proc.poll() is None:
+                        doomed.proc.kill()  # 3 events in: the rest (500 tokens at 20 ms) is 10 s away
+    doomed.proc.wait(timeout=10)
+    assert 3 <= events < 500
+    text = await trio.to_thread.run_sync(metrics_of, base)
+    assert sample(text, "llmgw_router_upstream_errors_total", replica="r0", kind="mid_stream") == 1
+    assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
+    assert router.pump.stats() == (0, 0)
 
 
 # ---------------------------------------------------------------------------------------------
