@@ -627,6 +627,15 @@ def report(results: dict[tuple[str, int], Level], levels: list[int], with_litell
             else ""
         )
     )
+    print(
+        "  CPU per relayed event by level (router / bare relay): "
+        + "; ".join(
+            f"concurrency {c}: {results['router', c].cpu / results['router', c].events * 1e6:.1f} / "
+            f"{results['relay', c].cpu / results['relay', c].events * 1e6:.1f} us"
+            for c in levels
+            if results["router", c].events and results["relay", c].events
+        )
+    )
     if not with_litellm:
         print("  LiteLLM ratios: not measured (see above)")
         return
