@@ -157,7 +157,7 @@ class RelayPump:
     def _writable(self, job: _Job) -> None:
         data, job.pending = job.pending, b""
         self._send(job, data)
-        if job.watching == job.client_fd and not job.pending:
+        if not job.finished and not job.pending:  # drained: back to reading the engine
             self._unwatch(job)
             self._watch(job, job.up_fd, select.EPOLLIN)
 
