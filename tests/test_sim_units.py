@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import trio
+import trio.testing
 
 from agent.engines.sim import generate
 from agent.engines.sim.config import SimUsageError, parse_command_line
@@ -134,3 +136,27 @@ def test_stream_events_are_openai_chunks() -> None:
     docs = [json.loads(e[len(b"data: ") :]) for e, _ in list(shape.stream(plan, include_usage=False))[:-1]]
     assert [d["choices"][0]["text"] for d in docs] == ["Hi", " there", ""]
     assert shape.full_response(plan)["choices"][0]["text"] == "Hi there"
+
+
+def test_ticker_sleeps_while_nobody_streams_and_ticks_once_someone_does() -> None:
+    """An idle engine keeps no timer (it used to wake every ITL for nothing); a stream that waits
+    for a tick gets it one ITL later, and the next one ITL after that."""
+    from agent.engines.sim.server import Ticker
+
+    async def main() -> tuple[float, list[float]]:
+        ticker = Ticker(0.02)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker.run)
+            await trio.testing.wait_all_tasks_blocked()
+            idle = trio.lowlevel.current_statistics().seconds_to_next_deadline
+            gaps = []
+            for _ in range(3):
+                before = trio.current_time()
+                await ticker.tick()
+                gaps.append(trio.current_time() - before)
+            nursery.cancel_scope.cancel()
+        return idle, gaps
+
+    idle, gaps = trio.run(main)
+    assert idle == float("inf")
+    assert all(gap >= 0.02 * 0.95 for gap in gaps), gaps

@@ -120,12 +120,20 @@ class Ticker:
     def __init__(self, period: float) -> None:
         self.period = period
         self._lot = trio.lowlevel.ParkingLot()
+        self._wanted = trio.Event()  # set while some stream waits for a tick
 
     async def run(self) -> None:
         if self.period <= 0:
             return
         deadline = trio.current_time()
         while True:
+            if not self._lot:
+                # Nobody is streaming: sleep until someone is, rather than wake every ITL for
+                # nothing (an idle engine would burn a few percent of a core, times every sim
+                # engine in a capacity test).
+                self._wanted = trio.Event()
+                await self._wanted.wait()
+                deadline = trio.current_time()
             # Drift-free while we keep up; after a stall, skip the missed ticks rather than
             # firing them back to back (a gap must never be shorter than the ITL).
             deadline = max(deadline + self.period, trio.current_time())
@@ -136,6 +144,7 @@ class Ticker:
         if self.period <= 0:
             await trio.lowlevel.checkpoint()
         else:
+            self._wanted.set()
             await self._lot.park()
 
 
