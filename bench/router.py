@@ -359,7 +359,7 @@ async def drive(port: int, request: bytes, concurrency: int, warmup: float, seco
     return level
 
 
-def settle(pids: Sequence[int], timeout: float = 60.0) -> str:
+def settle(pids: Sequence[int], timeout: float = 20.0) -> str:
     """Wait until every process under test is idle (under 5% of a CPU together over 0.25 s), so one
     point's leftovers do not run on the next: a proxy that fell behind keeps working through
     abandoned streams after its clients left (LiteLLM at concurrency 256 did for seconds). Returns
