@@ -231,6 +231,11 @@ class Level:
     def rps(self) -> float:
         return self.requests / self.seconds if self.seconds else 0.0
 
+    @property
+    def us_per_event(self) -> float:
+        """The process's on-CPU microseconds per SSE event the clients got."""
+        return self.cpu / self.events * 1e6 if self.events else float("nan")
+
 
 def pct(values: Sequence[float], q: float) -> float:
     if not values:
@@ -570,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ms(pct(level.gaps, 0.5)),
                     ms(pct(level.gaps, 0.99)),
                     f"{(pct(level.gaps, 0.5) - pct(d.gaps, 0.5)) * 1000:.3f}" if proxied else "",
-                    f"{level.cpu / level.events * 1e6:.1f}" if level.events else "-",
+                    f"{level.us_per_event:.1f}" if level.events else "-",
                     f"{level.rss:.1f}",
                     str(level.errors),
                 )
@@ -630,8 +635,8 @@ def report(results: dict[tuple[str, int], Level], levels: list[int], with_litell
     print(
         "  CPU per relayed event by level (router / bare relay): "
         + "; ".join(
-            f"concurrency {c}: {results['router', c].cpu / results['router', c].events * 1e6:.1f} / "
-            f"{results['relay', c].cpu / results['relay', c].events * 1e6:.1f} us"
+            f"concurrency {c}: {results['router', c].us_per_event:.1f} / "
+            f"{results['relay', c].us_per_event:.1f} us"
             for c in levels
             if results["router", c].events and results["relay", c].events
         )

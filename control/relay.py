@@ -36,7 +36,7 @@ from typing import Protocol
 import outcome
 import trio
 
-RECEIVE_SIZE = 65536
+RECEIVE_SIZE = 65536  # per recv, here and in the router
 MAX_EVENTS = 512  # per wake-up; the rest wait for the next round, after other tasks had theirs
 
 
@@ -121,8 +121,8 @@ class RelayPump:
     async def relay(self, up: socket.socket, client_fd: int, scanner: Scanner) -> bool:
         """Relay the rest of a chunked body from ``up`` to ``client_fd``, as it arrives, byte for
         byte. Returns whether ``up`` may carry another request (the body ended exactly at its last
-        chunk). Raises ``EngineClosed``, ``ClientGone`` or ``RelayClosed``; when cancelled, the job
-        is withdrawn first."""
+        chunk). Raises ``EngineClosed``, ``ClientGone``, ``RelayClosed`` or what the scanner raises on
+        a malformed chunk; when cancelled, the job is withdrawn first."""
         if self._epoll is None:
             raise RelayClosed("the relay pump is not running")
         job = _Job(up, client_fd, scanner, trio.lowlevel.current_task())

@@ -72,11 +72,10 @@ import attrs
 import h11
 import trio
 
-from control.relay import ClientGone, EngineClosed, RelayClosed, RelayPump
+from control.relay import RECEIVE_SIZE, ClientGone, EngineClosed, RelayClosed, RelayPump
 
 log = logging.getLogger("llmgw.router")
 
-RECEIVE_SIZE = 65536
 MAX_HEAD_BYTES = 64 * 1024
 
 CHAT = b"/v1/chat/completions"
@@ -787,7 +786,9 @@ class Metrics:
         for url, n in sorted(pool.idle_counts().items()):
             out.append(f'llmgw_router_idle_connections{{url="{_label(url)}"}} {n}')
         streams, blocked = pump.stats()
-        family("llmgw_router_streams", "gauge", "Response bodies being streamed to clients.")
+        family(
+            "llmgw_router_streams", "gauge", "Streamed response bodies being relayed, past their first event."
+        )
         out.append(f"llmgw_router_streams {streams}")
         family(
             "llmgw_router_streams_client_blocked",
