@@ -5,6 +5,7 @@
     state_dir = "/var/lib/llmgw-control"
 
     api_keys = ["sk-..."]          # optional: bearer keys the router accepts
+    router_coalesce_us = 250       # streamed tokens arriving within this share a relay wake-up
 
     [listen]
     agents = "0.0.0.0:7070"        # agent streams: gRPC, Connect and WebSocket on one port
@@ -74,6 +75,11 @@ class ConfigError(Exception):
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be greater than 0, got {value}")
+
+
+def _coalesce(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 <= value <= 100_000:  # control.relay.MAX_COALESCE_US
+        raise ValueError(f"{attribute.name} must be 0 to 100000 (microseconds), got {value}")
 
 
 def _parse_range(text: str, what: str) -> tuple[int, int]:
@@ -232,6 +238,8 @@ class ControlConfig:
     endpoints: tuple[EndpointConfig, ...] = ()
     #: Bearer keys the router accepts; empty: no key needed.
     api_keys: tuple[str, ...] = ()
+    #: The router's relay pump pause after each wake-up, in microseconds (control/relay.py).
+    router_coalesce_us: int = attrs.field(default=250, validator=_coalesce)
     #: Seconds between SIGTERM and SIGKILL in StopShard; drain deadline for `ctl drain`.
     stop_grace: float = attrs.field(default=30.0, validator=_positive)
     drain_deadline: float = attrs.field(default=60.0, validator=_positive)

@@ -409,7 +409,11 @@ class ControlPlane:
         from control.router import Router
 
         self.build_routes()
-        router = Router(self.routes, api_keys=frozenset(self.config.api_keys))
+        router = Router(
+            self.routes,
+            api_keys=frozenset(self.config.api_keys),
+            relay_coalesce_us=self.config.router_coalesce_us,
+        )
         if not self.config.runs_control_plane:
             # A catalog of static endpoints only: a router-only run, no agents, no reconciler.
             host, port = Listen.split(self.config.listen.router)

@@ -72,7 +72,16 @@ import attrs
 import h11
 import trio
 
-from control.relay import RECEIVE_SIZE, ClientGone, EngineClosed, RelayClosed, RelayPump
+from control.relay import (
+    DEFAULT_COALESCE_US,
+    MAX_COALESCE_US,
+    RECEIVE_SIZE,
+    ClientGone,
+    EngineClosed,
+    Pump,
+    RelayClosed,
+    make_pump,
+)
 
 log = logging.getLogger("llmgw.router")
 
@@ -476,6 +485,11 @@ class ChunkedScanner:
     def done(self) -> bool:
         return self._state == self._DONE
 
+    def snapshot(self) -> tuple[int, int, bytes]:
+        """(state, bytes left in the chunk or its CRLF, partial line): what the native relay pump
+        takes over to go on scanning where this left off."""
+        return self._state, self._remaining, self._line
+
     def feed(self, data: bytes) -> int:
         i, n = 0, len(data)
         while i < n:
@@ -721,7 +735,7 @@ class Metrics:
         row[-2] += seconds
         row[-1] += 1
 
-    def exposition(self, balancer: Balancer, pool: _Pool, pump: RelayPump, now: float) -> bytes:
+    def exposition(self, balancer: Balancer, pool: _Pool, pump: Pump, now: float) -> bytes:
         out: list[str] = []
 
         def family(name: str, kind: str, text: str) -> None:
@@ -857,7 +871,10 @@ class Router:
     (ejection), ``connect_timeout``, ``response_timeout`` (until the response head; None: no limit,
     since a queued LLM request may wait long for its first token), ``pool_max_idle`` and
     ``pool_idle_timeout`` (below the engines' keep-alive timeout: uvicorn's is 5 s),
-    ``client_idle_timeout`` (an idle client connection is closed after it), ``max_body_bytes``."""
+    ``client_idle_timeout`` (an idle client connection is closed after it), ``max_body_bytes``,
+    ``relay_coalesce_us`` (the native relay pump's pause after each wake-up, so that the tokens
+    one decode step writes to many streams share a wake-up: a token may wait that long, the first
+    one never does; 0 turns it off; see ``control/_pump.c``)."""
 
     def __init__(
         self,
@@ -876,6 +893,7 @@ class Router:
         pool_idle_timeout: float = 4.0,
         client_idle_timeout: float = 300.0,
         max_body_bytes: int = 32 * 1024 * 1024,
+        relay_coalesce_us: int = DEFAULT_COALESCE_US,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.routes = routes
@@ -893,7 +911,7 @@ class Router:
             max_idle=pool_max_idle, idle_timeout=pool_idle_timeout, connect_timeout=connect_timeout
         )
         self.metrics = Metrics()
-        self.pump = RelayPump()
+        self.pump = make_pump(coalesce_us=relay_coalesce_us)
         self.created = int(time.time())
 
     # -- the service -----------------------------------------------------------------------------
@@ -1432,7 +1450,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="accepted bearer key; repeat (or LLMGW_ROUTER_API_KEYS=k1,k2, which keeps keys out of ps)",
     )
+    parser.add_argument(
+        "--relay-coalesce-us",
+        type=int,
+        default=DEFAULT_COALESCE_US,
+        metavar="US",
+        help=f"the relay pump's pause after each wake-up, 0 to {MAX_COALESCE_US} "
+        f"(default {DEFAULT_COALESCE_US}; 0: none): streamed tokens that arrive together share a wake-up",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.relay_coalesce_us <= MAX_COALESCE_US:
+        parser.error(f"--relay-coalesce-us must be 0 to {MAX_COALESCE_US}, got {args.relay_coalesce_us}")
     try:
         routes = static_routes(_parse_static(args.static))
     except ValueError as exc:
@@ -1441,13 +1469,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no --static MODEL=URL given")
     keys = set(args.api_key)
     keys.update(k for k in os.environ.get("LLMGW_ROUTER_API_KEYS", "").split(",") if k)
-    router = Router(routes, api_keys=frozenset(keys))
+    router = Router(routes, api_keys=frozenset(keys), relay_coalesce_us=args.relay_coalesce_us)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(router.serve, args.host, args.port)
-            print(f"llmgw router listening on {args.host}:{port} (pid {os.getpid()})", flush=True)
+            print(
+                f"llmgw router listening on {args.host}:{port} (pid {os.getpid()}, {router.pump.kind} relay pump)",
+                flush=True,
+            )
 
     try:
         trio.run(run)

@@ -178,6 +178,17 @@ def test_config_defaults_and_router_only() -> None:
         )
 
 
+def test_router_coalescing_is_checked_and_reaches_the_pump() -> None:
+    from control.router import Router
+
+    assert parse("").router_coalesce_us == 250
+    with pytest.raises(ConfigError, match=r"router_coalesce_us must be 0 to 100000 .*got -1"):
+        parse("router_coalesce_us = -1\n")
+    cfg = parse("router_coalesce_us = 123\n")
+    router = Router(dict, relay_coalesce_us=cfg.router_coalesce_us)
+    assert router.pump.kind == "python" or getattr(router.pump, "coalesce_us", None) == 123
+
+
 def test_routes_move_to_the_replacement_only_once_it_is_ready(tmp_path: object) -> None:
     import trio
 

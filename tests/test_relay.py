@@ -1,18 +1,42 @@
-"""The relay pump on socket pairs: the ends of a body, back-pressure, and withdrawal.
+"""The relay pumps on socket pairs: the ends of a body, back-pressure, and withdrawal.
 
 An engine side and a client side are each a ``socket.socketpair``; the test plays both peers.
+Every test runs against both pumps, the native thread and the Python loop (``control.relay``).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import random
 import socket
+from collections.abc import Callable, Iterator
 
 import pytest
 import trio
 import trio.testing
 
-from control.relay import ClientGone, EngineClosed, RelayPump
+from control import relay as relay_module
+from control.relay import ClientGone, EngineClosed, Pump, make_pump
 from control.router import ChunkedScanner
+
+
+@pytest.fixture(params=["native", "python"])
+def make(request: pytest.FixtureRequest) -> Callable[[], Pump]:
+    if request.param == "native" and not relay_module.NATIVE_AVAILABLE:
+        if os.environ.get("LLMGW_REQUIRE_NATIVE_PUMP"):
+            pytest.fail("the native relay pump (control/_pump.c) was not built")
+        pytest.skip("the native relay pump was not built here (no C compiler)")
+    return lambda: make_pump(request.param)
+
+
+async def until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``check`` (the native pump works in its own thread) until true or the deadline."""
+    deadline = trio.current_time() + timeout
+    while not check():
+        if trio.current_time() > deadline:
+            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+        await trio.sleep(0.005)  # poll interval; the deadline above bounds the wait
 
 
 def chunked(events: int, size: int) -> bytes:
@@ -31,19 +55,21 @@ async def read_until(sock: socket.socket, end: bytes, size: int = 1 << 20) -> by
 
 
 @pytest.fixture
-def pairs() -> tuple[socket.socket, socket.socket, socket.socket, socket.socket]:
+def pairs() -> Iterator[tuple[socket.socket, socket.socket, socket.socket, socket.socket]]:
     engine, up = socket.socketpair()  # the test writes as the engine; the pump reads ``up``
     client_fd_side, client = socket.socketpair()  # the pump writes ``client_fd_side``
     for s in (engine, up, client_fd_side, client):
         s.setblocking(False)
-    return engine, up, client_fd_side, client
+    yield engine, up, client_fd_side, client
+    for s in (engine, up, client_fd_side, client):
+        s.close()  # also ends a sender thread a failed test left blocked
 
 
 async def test_a_body_larger_than_the_buffers_arrives_whole_and_the_job_ends(
-    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], make: Callable[[], Pump]
 ) -> None:
     engine, up, down, client = pairs
-    pump = RelayPump()
+    pump = make()
     await nursery.start(pump.run)
     body = chunked(2000, 500)  # about 1 MB: the client socket fills, the rest waits for it
     result: list[bool] = []
@@ -53,7 +79,9 @@ async def test_a_body_larger_than_the_buffers_arrives_whole_and_the_job_ends(
 
     nursery.start_soon(relay)
     engine.setblocking(True)
-    nursery.start_soon(trio.to_thread.run_sync, engine.sendall, body)
+    nursery.start_soon(
+        functools.partial(trio.to_thread.run_sync, engine.sendall, body, abandon_on_cancel=True)
+    )
     with trio.fail_after(10):
         while True:
             if pump.stats() == (1, 1):  # waiting for the client, not reading the engine
@@ -62,38 +90,39 @@ async def test_a_body_larger_than_the_buffers_arrives_whole_and_the_job_ends(
         # Small reads: the pump's writes, the last one included, keep finding the socket nearly
         # full, so the body ends while draining what the client's socket did not take.
         assert await read_until(client, b"0\r\n\r\n", 4096) == body
-    await trio.testing.wait_all_tasks_blocked()
+    await until("the relay to return", lambda: bool(result))
     assert result == [True] and pump.stats() == (0, 0)
 
 
 async def test_bytes_past_the_body_make_the_connection_unreusable(
-    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], make: Callable[[], Pump]
 ) -> None:
     engine, up, down, client = pairs
-    pump = RelayPump()
+    pump = make()
     await nursery.start(pump.run)
     body = chunked(3, 10)
     engine.send(body + b"HTTP/1.1 200 OK\r\n")
-    assert await pump.relay(up, down.fileno(), ChunkedScanner()) is False
+    with trio.fail_after(10):
+        assert await pump.relay(up, down.fileno(), ChunkedScanner()) is False
     assert await read_until(client, b"0\r\n\r\n") == body
 
 
 async def test_engine_close_and_client_close_fail_the_relay(
-    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], make: Callable[[], Pump]
 ) -> None:
     engine, up, down, client = pairs
-    pump = RelayPump()
+    pump = make()
     await nursery.start(pump.run)
     engine.send(chunked(1, 10)[:-5])  # one event, then the engine goes away
     engine.close()
-    with pytest.raises(EngineClosed, match="closed the connection mid-response"):
+    with pytest.raises(EngineClosed, match="closed the connection mid-response"), trio.fail_after(10):
         await pump.relay(up, down.fileno(), ChunkedScanner())
 
     engine2, up2 = socket.socketpair()
     up2.setblocking(False)
     client.close()
     engine2.send(chunked(1, 10)[:-5])
-    with pytest.raises(ClientGone):
+    with pytest.raises(ClientGone), trio.fail_after(10):
         await pump.relay(up2, down.fileno(), ChunkedScanner())
     assert pump.stats() == (0, 0)
     engine2.close()
@@ -101,10 +130,10 @@ async def test_engine_close_and_client_close_fail_the_relay(
 
 
 async def test_cancelling_a_relay_withdraws_it(
-    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], make: Callable[[], Pump]
 ) -> None:
     engine, up, down, _client = pairs
-    pump = RelayPump()
+    pump = make()
     await nursery.start(pump.run)
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as inner:
@@ -119,13 +148,13 @@ async def test_cancelling_a_relay_withdraws_it(
     assert pump.stats() == (0, 0)
 
 
-async def test_a_stopping_pump_fails_parked_relays() -> None:
+async def test_a_stopping_pump_fails_parked_relays(make: Callable[[], Pump]) -> None:
     from control.relay import RelayClosed
 
     engine, up = socket.socketpair()
     down, client = socket.socketpair()
     up.setblocking(False)
-    pump = RelayPump()
+    pump = make()
     errors: list[BaseException] = []
 
     async def relay() -> None:
@@ -149,3 +178,97 @@ async def test_a_stopping_pump_fails_parked_relays() -> None:
     assert len(errors) == 2
     for s in (engine, up, down, client):
         s.close()
+
+
+def random_body(rng: random.Random) -> bytes:
+    """A chunked body with what engines may send: upper- and lower-case sizes, extensions,
+    spaces before the CRLF, empty-looking payloads, and sometimes trailers."""
+    out = b""
+    for _ in range(rng.randint(1, 12)):
+        payload = bytes(rng.choice(b"data: {}\r\n0;x") for _ in range(rng.randint(1, 300)))
+        size = b"%x" % len(payload)
+        size = size.upper() if rng.random() < 0.3 else size
+        if rng.random() < 0.2:
+            size += b";ext=1"
+        if rng.random() < 0.1:
+            size += b" "
+        out += size + b"\r\n" + payload + b"\r\n"
+    out += b"0\r\n"
+    if rng.random() < 0.3:
+        out += b"x-trailer: 1\r\n"
+    return out + b"\r\n"
+
+
+async def test_random_bodies_split_anywhere_arrive_whole(
+    nursery: trio.Nursery, make: Callable[[], Pump]
+) -> None:
+    """Each body is handed over part-way (the router's task scanned the first part) and the rest
+    arrives in pieces that end anywhere, in a size line, a payload, its CRLF or the trailers; the
+    client must get exactly the rest, and the job must end exactly at the body's end."""
+    pump = make()
+    await nursery.start(pump.run)
+    rng = random.Random(5)
+    for case in range(60):
+        body = random_body(rng)
+        engine, up = socket.socketpair()
+        down, client = socket.socketpair()
+        for s in (up, down, client):
+            s.setblocking(False)
+        start = rng.randint(0, len(body) - 1)
+        scanner = ChunkedScanner()
+        assert scanner.feed(body[:start]) == start and not scanner.done
+        extra = b"HTTP/1.1 200 OK\r\n" if case % 4 == 0 else b""
+        rest = body[start:] + extra
+        result: list[bool] = []
+
+        async def relay(
+            up: socket.socket = up,
+            fd: int = down.fileno(),
+            sc: ChunkedScanner = scanner,
+            out: list[bool] = result,
+        ) -> None:
+            out.append(await pump.relay(up, fd, sc))
+
+        nursery.start_soon(relay)
+        got = b""
+        # Bytes past the body must come in the same read as its end to be seen: no cut there.
+        tail = len(body) - start
+        cuts = sorted(rng.sample(range(1, tail), min(4, tail - 1))) if tail > 1 else []
+        for a, b in zip([0, *cuts], [*cuts, len(rest)], strict=True):
+            engine.sendall(rest[a:b])
+            want = min(b, len(body) - start)
+            with trio.fail_after(10):
+                while len(got) < want:
+                    await trio.lowlevel.wait_readable(client)
+                    got += client.recv(65536)
+
+        def returned(out: list[bool] = result) -> bool:
+            return bool(out)
+
+        await until(f"case {case}: the relay to return", returned)
+        assert got == body[start:], f"case {case}: split at {start}"
+        assert result == [not extra], f"case {case}"
+        for s in (engine, up, down, client):
+            s.close()
+    assert pump.stats() == (0, 0)
+
+
+async def test_a_bad_chunk_size_fails_the_relay(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], make: Callable[[], Pump]
+) -> None:
+    engine, up, down, _client = pairs
+    pump = make()
+    await nursery.start(pump.run)
+    engine.send(b"zz\r\ndata\r\n")
+    with pytest.raises(Exception, match=r"bad chunk size .*zz"), trio.fail_after(10):
+        await pump.relay(up, down.fileno(), ChunkedScanner())
+    assert pump.stats() == (0, 0)
+
+
+def test_asking_for_a_pump_by_name() -> None:
+    assert make_pump("python").kind == "python"
+    with pytest.raises(ValueError, match="LLMGW_RELAY='fast'"):
+        make_pump("fast")
+    if relay_module.NATIVE_AVAILABLE:
+        assert make_pump("native").kind == "native"
+        assert make_pump().kind == "native" or os.environ.get("LLMGW_RELAY") == "python"

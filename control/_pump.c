@@ -1,0 +1,614 @@
+/* control._pump: the router's relay pump as a native thread (see control/relay.py).
+ *
+ * Why native. Relaying one SSE event costs the router a wake-up, a recv, a scan of the chunk-size
+ * line and a write. In Python each of those wake-ups also costs a round of trio's scheduler and
+ * the interpreter's own work, which measured at about twice the kernel's share. This thread does
+ * the same job without the interpreter: it never takes the GIL, never calls into Python, and
+ * touches nothing but the descriptors handed to it and its own job table.
+ *
+ * Contract with control/relay.py (NativeRelayPump):
+ *  - add(up_fd, client_fd, state, remaining, line) hands over the rest of one chunked body. The
+ *    job is keyed by up_fd: the engine socket, which the caller keeps open until the job ends.
+ *  - withdraw(up_fd) takes a job back (its task was cancelled); it also drops a result that was
+ *    queued for that job and not yet collected, so a reused descriptor never sees a stale one.
+ *  - collect() returns the jobs that ended, as (up_fd, code, extra, message); the thread signals
+ *    an eventfd (notify_fd) when the queue turns non-empty, which trio waits on.
+ *  - close() stops the thread and returns the up_fds of the jobs still running.
+ *  - Pump(coalesce_us) sets the pause after each wake-up (see serve).
+ * One mutex guards everything shared; the thread holds it while it serves one batch of epoll
+ * events and never blocks while holding it (every socket call is non-blocking). Jobs live in a
+ * table indexed by up_fd, and epoll events carry the up_fd rather than a pointer, so an event for
+ * a job that was withdrawn meanwhile finds an empty slot (or, with the descriptor reused, a job
+ * for which the event is spurious: a recv or send that would block, which is handled).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define RECEIVE_SIZE 65536
+#define MAX_EVENTS 256
+#define MAX_LINE 4096
+#define CLIENT_BIT ((uint64_t)1 << 32)
+#define STOP_TOKEN ((uint64_t)1 << 40)
+
+/* Scanner states: the same numbers as router.ChunkedScanner's. */
+enum { S_SIZE = 0, S_DATA = 1, S_CRLF = 2, S_TRAILER = 3, S_DONE = 4 };
+
+/* Result codes, as relay.py reads them. */
+enum { R_DONE = 0, R_ENGINE = 1, R_CLIENT = 2 };
+
+typedef struct {
+    int up_fd, client_fd;
+    int state;
+    uint64_t remaining;
+    char line[MAX_LINE + 1];
+    size_t line_len;
+    char *pending; /* bytes the client's socket did not take yet */
+    size_t pending_len;
+    int extra;       /* the engine sent bytes past the body's end */
+    int on_client;   /* waiting for the client's socket to drain rather than for the engine */
+} job_t;
+
+typedef struct {
+    int up_fd, code, extra;
+    char message[160];
+} result_t;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_t thread;
+    int thread_started;
+    int epfd, notify_fd, stop_fd;
+    job_t **jobs; /* indexed by up_fd */
+    size_t jobs_cap;
+    size_t streams, blocked;
+    result_t *results;
+    size_t results_len, results_cap;
+    int closed;
+    long coalesce_ns; /* after a wake-up, wait this long before looking again (see serve) */
+} Pump;
+
+/* ---- the chunked-body scanner ------------------------------------------------------------- */
+
+/* Parses a chunk-size line (without its \n): hex digits, optional whitespace, optional ";ext".
+ * Returns 0 and sets *size, or -1. */
+static int parse_size(const char *s, size_t n, uint64_t *size) {
+    size_t i = 0, digits = 0;
+    uint64_t v = 0;
+    while (i < n && (s[i] == ' ' || s[i] == '\t')) i++;
+    for (; i < n; i++) {
+        char c = s[i];
+        int d;
+        if (c >= '0' && c <= '9') d = c - '0';
+        else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
+        else break;
+        if (++digits > 15) return -1;
+        v = v * 16 + (uint64_t)d;
+    }
+    if (!digits) return -1;
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) i++;
+    if (i < n && s[i] != ';') return -1;
+    *size = v;
+    return 0;
+}
+
+static int blank(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (s[i] != ' ' && s[i] != '\t' && s[i] != '\r') return 0;
+    return 1;
+}
+
+static void bad_size(char *err, size_t cap, const char *s, size_t n) {
+    char shown[24];
+    size_t k = n < 20 ? n : 20;
+    for (size_t i = 0; i < k; i++) shown[i] = (s[i] >= 32 && s[i] < 127) ? s[i] : '?';
+    shown[k] = 0;
+    snprintf(err, cap, "bad chunk size '%s'", shown);
+}
+
+/* How many bytes of data belong to the body; -1 with err set on a malformed chunk. */
+static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap) {
+    size_t i = 0;
+    while (i < n) {
+        if (j->state == S_DATA || j->state == S_CRLF) {
+            size_t take = n - i;
+            if (take > j->remaining) take = (size_t)j->remaining;
+            i += take;
+            j->remaining -= take;
+            if (!j->remaining) {
+                if (j->state == S_DATA) {
+                    j->state = S_CRLF;
+                    j->remaining = 2;
+                } else {
+                    j->state = S_SIZE;
+                }
+            }
+            continue;
+        }
+        if (j->state == S_DONE) return (ssize_t)i;
+        /* S_SIZE or S_TRAILER: a line */
+        const char *nl = memchr(data + i, '\n', n - i);
+        const char *line;
+        size_t len;
+        if (!nl) {
+            if (j->line_len + (n - i) > MAX_LINE) {
+                snprintf(err, cap, "chunk header line too long");
+                return -1;
+            }
+            memcpy(j->line + j->line_len, data + i, n - i);
+            j->line_len += n - i;
+            return (ssize_t)n;
+        }
+        size_t part = (size_t)(nl - (data + i));
+        if (j->line_len) {
+            if (j->line_len + part > MAX_LINE) {
+                snprintf(err, cap, "chunk header line too long");
+                return -1;
+            }
+            memcpy(j->line + j->line_len, data + i, part);
+            line = j->line;
+            len = j->line_len + part;
+            j->line_len = 0;
+        } else {
+            line = data + i;
+            len = part;
+        }
+        i += part + 1;
+        if (j->state == S_SIZE) {
+            uint64_t size;
+            if (parse_size(line, len, &size) < 0) {
+                bad_size(err, cap, line, len);
+                return -1;
+            }
+            if (size) {
+                j->state = S_DATA;
+                j->remaining = size;
+            } else {
+                j->state = S_TRAILER;
+            }
+        } else if (blank(line, len)) { /* the empty line after the (usually absent) trailers */
+            j->state = S_DONE;
+            return (ssize_t)i;
+        }
+    }
+    return (ssize_t)i;
+}
+
+/* ---- the thread (runs without the GIL, with p->mu held while serving events) -------------- */
+
+static void push_result(Pump *p, int up_fd, int code, int extra, const char *message) {
+    if (p->results_len == p->results_cap) {
+        size_t cap = p->results_cap ? p->results_cap * 2 : 64;
+        result_t *r = realloc(p->results, cap * sizeof(result_t));
+        if (!r) abort(); /* out of memory in a thread that cannot raise */
+        p->results = r;
+        p->results_cap = cap;
+    }
+    result_t *r = &p->results[p->results_len++];
+    r->up_fd = up_fd;
+    r->code = code;
+    r->extra = extra;
+    snprintf(r->message, sizeof r->message, "%s", message);
+}
+
+static void unwatch(Pump *p, job_t *j) {
+    epoll_ctl(p->epfd, EPOLL_CTL_DEL, j->on_client ? j->client_fd : j->up_fd, NULL);
+    if (j->on_client) p->blocked--;
+}
+
+static void drop(Pump *p, job_t *j) {
+    unwatch(p, j);
+    p->jobs[j->up_fd] = NULL;
+    p->streams--;
+    free(j->pending);
+    free(j);
+}
+
+static void finish(Pump *p, job_t *j, int code, const char *message) {
+    push_result(p, j->up_fd, code, j->extra, message);
+    drop(p, j);
+}
+
+static int watch_client(Pump *p, job_t *j) {
+    struct epoll_event ev = {.events = EPOLLOUT, .data.u64 = (uint64_t)j->up_fd | CLIENT_BIT};
+    epoll_ctl(p->epfd, EPOLL_CTL_DEL, j->up_fd, NULL);
+    if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, j->client_fd, &ev) < 0) return -1;
+    j->on_client = 1;
+    p->blocked++;
+    return 0;
+}
+
+static int watch_up(Pump *p, job_t *j) {
+    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = (uint64_t)j->up_fd};
+    epoll_ctl(p->epfd, EPOLL_CTL_DEL, j->client_fd, NULL);
+    j->on_client = 0;
+    p->blocked--;
+    return epoll_ctl(p->epfd, EPOLL_CTL_ADD, j->up_fd, &ev);
+}
+
+/* Writes data to the client; keeps what it did not take. Returns 1 if the job ended. */
+static int send_client(Pump *p, job_t *j, const char *data, size_t n) {
+    size_t sent = 0;
+    while (sent < n) {
+        ssize_t w = send(j->client_fd, data + sent, n - sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w > 0) {
+            sent += (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        char msg[120];
+        snprintf(msg, sizeof msg, "%s", w < 0 ? strerror(errno) : "the client's socket took nothing");
+        finish(p, j, R_CLIENT, msg);
+        return 1;
+    }
+    if (sent < n) { /* the client's socket is full: stop reading the engine until it drains */
+        char *rest = malloc(n - sent);
+        if (!rest) abort();
+        memcpy(rest, data + sent, n - sent);
+        j->pending = rest;
+        j->pending_len = n - sent;
+        if (!j->on_client && watch_client(p, j) < 0) {
+            finish(p, j, R_CLIENT, strerror(errno));
+            return 1;
+        }
+        return 0;
+    }
+    if (j->state == S_DONE) {
+        finish(p, j, R_DONE, "");
+        return 1;
+    }
+    return 0;
+}
+
+static void readable(Pump *p, job_t *j, char *buf) {
+    ssize_t r;
+    do {
+        r = recv(j->up_fd, buf, RECEIVE_SIZE, MSG_DONTWAIT);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        finish(p, j, R_ENGINE, strerror(errno));
+        return;
+    }
+    if (r == 0) {
+        finish(p, j, R_ENGINE, "the engine closed the connection mid-response");
+        return;
+    }
+    char err[120];
+    ssize_t used = scan(j, buf, (size_t)r, err, sizeof err);
+    if (used < 0) {
+        finish(p, j, R_ENGINE, err);
+        return;
+    }
+    if (used < r) j->extra = 1;
+    send_client(p, j, buf, (size_t)used);
+}
+
+static void writable(Pump *p, job_t *j) {
+    char *data = j->pending;
+    size_t n = j->pending_len;
+    j->pending = NULL;
+    j->pending_len = 0;
+    if (!data) return; /* spurious */
+    int ended = send_client(p, j, data, n);
+    free(data);
+    if (!ended && !j->pending && watch_up(p, j) < 0) finish(p, j, R_ENGINE, strerror(errno));
+}
+
+static void *serve(void *arg) {
+    Pump *p = arg;
+    struct epoll_event evs[MAX_EVENTS];
+    char *buf = malloc(RECEIVE_SIZE);
+    if (!buf) abort();
+    for (;;) {
+        int n = epoll_wait(p->epfd, evs, MAX_EVENTS, -1);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        pthread_mutex_lock(&p->mu);
+        size_t before = p->results_len;
+        int stop = 0;
+        for (int k = 0; k < n; k++) {
+            uint64_t d = evs[k].data.u64;
+            if (d == STOP_TOKEN) {
+                stop = 1;
+                continue;
+            }
+            int fd = (int)(d & 0xffffffffu);
+            job_t *j = (size_t)fd < p->jobs_cap ? p->jobs[fd] : NULL;
+            if (!j) continue; /* withdrawn after epoll_wait returned */
+            int for_client = (d & CLIENT_BIT) != 0;
+            if (for_client != j->on_client) continue; /* stale: the job changed sides meanwhile */
+            if (for_client) writable(p, j);
+            else readable(p, j, buf);
+        }
+        if (before == 0 && p->results_len > 0) {
+            uint64_t one = 1;
+            ssize_t w = write(p->notify_fd, &one, sizeof one);
+            (void)w;
+        }
+        pthread_mutex_unlock(&p->mu);
+        if (stop) break;
+        /* Coalescing. Engines emit in steps: one decode step writes a token to every stream in
+         * the batch within a fraction of a millisecond, and a thread that goes back to epoll_wait
+         * at once is woken for nearly every one of them (each wake-up a context switch, about as
+         * costly as the recv and send it serves). Pausing briefly lets the rest of the step
+         * arrive, to be served by one wake-up. A token may wait up to the pause; the gaps between
+         * a stream's tokens stay the same on average, and the first one (written by the
+         * response's own task) never waits. An idle stream's next event is not delayed at all:
+         * the pause has ended long before it comes. A full batch skips the pause. */
+        if (p->coalesce_ns && n < MAX_EVENTS) {
+            struct timespec ts = {0, p->coalesce_ns};
+            nanosleep(&ts, NULL);
+        }
+    }
+    free(buf);
+    return NULL;
+}
+
+/* ---- the Python type ------------------------------------------------------------------------ */
+
+static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"coalesce_us", NULL};
+    long coalesce_us = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|l", kwlist, &coalesce_us)) return NULL;
+    if (coalesce_us < 0 || coalesce_us > 100000) {
+        PyErr_Format(PyExc_ValueError, "coalesce_us must be 0 to 100000, got %ld", coalesce_us);
+        return NULL;
+    }
+    Pump *p = (Pump *)type->tp_alloc(type, 0);
+    if (!p) return NULL;
+    p->coalesce_ns = coalesce_us * 1000;
+    p->epfd = p->notify_fd = p->stop_fd = -1;
+    pthread_mutex_init(&p->mu, NULL);
+    p->epfd = epoll_create1(EPOLL_CLOEXEC);
+    p->notify_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    p->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (p->epfd < 0 || p->notify_fd < 0 || p->stop_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(p);
+        return NULL;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = STOP_TOKEN};
+    if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, p->stop_fd, &ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(p);
+        return NULL;
+    }
+    int rc = pthread_create(&p->thread, NULL, serve, p);
+    if (rc) {
+        errno = rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(p);
+        return NULL;
+    }
+    p->thread_started = 1;
+    return (PyObject *)p;
+}
+
+/* Stops and joins the thread, frees the jobs; returns their up_fds (a new list) or NULL. */
+static PyObject *stop_thread(Pump *p) {
+    if (p->thread_started) {
+        uint64_t one = 1;
+        ssize_t w = write(p->stop_fd, &one, sizeof one);
+        (void)w;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(p->thread, NULL);
+        Py_END_ALLOW_THREADS
+        p->thread_started = 0;
+    }
+    PyObject *left = PyList_New(0);
+    for (size_t fd = 0; fd < p->jobs_cap; fd++) {
+        job_t *j = p->jobs[fd];
+        if (!j) continue;
+        if (left) {
+            PyObject *o = PyLong_FromSize_t(fd);
+            if (!o || PyList_Append(left, o) < 0) Py_CLEAR(left);
+            Py_XDECREF(o);
+        }
+        drop(p, j);
+    }
+    p->closed = 1;
+    return left;
+}
+
+static void Pump_dealloc(Pump *p) {
+    PyObject *left = stop_thread(p);
+    Py_XDECREF(left);
+    if (PyErr_Occurred()) PyErr_Clear();
+    if (p->epfd >= 0) close(p->epfd);
+    if (p->notify_fd >= 0) close(p->notify_fd);
+    if (p->stop_fd >= 0) close(p->stop_fd);
+    free(p->jobs);
+    free(p->results);
+    pthread_mutex_destroy(&p->mu);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyObject *Pump_add(Pump *p, PyObject *args) {
+    int up_fd, client_fd, state;
+    unsigned long long remaining;
+    const char *line;
+    Py_ssize_t line_len;
+    if (!PyArg_ParseTuple(args, "iiiKy#", &up_fd, &client_fd, &state, &remaining, &line, &line_len)) return NULL;
+    if (up_fd < 0 || client_fd < 0 || up_fd == client_fd) {
+        PyErr_Format(PyExc_ValueError, "bad descriptors: up %d, client %d", up_fd, client_fd);
+        return NULL;
+    }
+    if (state < S_SIZE || state > S_TRAILER || line_len > MAX_LINE ||
+        (line_len && state != S_SIZE && state != S_TRAILER)) {
+        PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
+        return NULL;
+    }
+    job_t *j = calloc(1, sizeof *j);
+    if (!j) return PyErr_NoMemory();
+    j->up_fd = up_fd;
+    j->client_fd = client_fd;
+    j->state = state;
+    j->remaining = remaining;
+    memcpy(j->line, line, (size_t)line_len);
+    j->line_len = (size_t)line_len;
+
+    pthread_mutex_lock(&p->mu);
+    const char *problem = NULL;
+    if (p->closed) problem = "closed";
+    else if ((size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) problem = "busy";
+    if (!problem && (size_t)up_fd >= p->jobs_cap) {
+        size_t cap = p->jobs_cap ? p->jobs_cap : 1024;
+        while (cap <= (size_t)up_fd) cap *= 2;
+        job_t **t = realloc(p->jobs, cap * sizeof(job_t *));
+        if (!t) problem = "memory";
+        else {
+            memset(t + p->jobs_cap, 0, (cap - p->jobs_cap) * sizeof(job_t *));
+            p->jobs = t;
+            p->jobs_cap = cap;
+        }
+    }
+    int err = 0;
+    if (!problem) {
+        struct epoll_event ev = {.events = EPOLLIN, .data.u64 = (uint64_t)up_fd};
+        if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, up_fd, &ev) < 0) {
+            err = errno;
+            problem = "epoll";
+        } else {
+            p->jobs[up_fd] = j;
+            p->streams++;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (problem) {
+        free(j);
+        if (err) {
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (problem[0] == 'm') return PyErr_NoMemory();
+        PyErr_Format(PyExc_RuntimeError, "relay pump: %s (up_fd %d)",
+                     problem[0] == 'c' ? "closed" : "a job for this descriptor is running", up_fd);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
+    long value = PyLong_AsLong(arg);
+    if (value == -1 && PyErr_Occurred()) return NULL;
+    int up_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
+    int found = 0;
+    pthread_mutex_lock(&p->mu);
+    if (up_fd >= 0 && (size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) {
+        drop(p, p->jobs[up_fd]);
+        found = 1;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < p->results_len; i++)
+        if (p->results[i].up_fd != up_fd) p->results[k++] = p->results[i];
+    p->results_len = k;
+    pthread_mutex_unlock(&p->mu);
+    return PyBool_FromLong(found);
+}
+
+static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
+    uint64_t count;
+    ssize_t r = read(p->notify_fd, &count, sizeof count);
+    (void)r;
+    pthread_mutex_lock(&p->mu);
+    size_t n = p->results_len;
+    result_t *taken = NULL;
+    if (n) {
+        taken = malloc(n * sizeof(result_t));
+        if (taken) {
+            memcpy(taken, p->results, n * sizeof(result_t));
+            p->results_len = 0;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (n && !taken) return PyErr_NoMemory();
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *t = Py_BuildValue("(iiOs)", taken[i].up_fd, taken[i].code,
+                                    taken[i].extra ? Py_True : Py_False, taken[i].message);
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    free(taken);
+    return out;
+}
+
+static PyObject *Pump_stats(Pump *p, PyObject *Py_UNUSED(ignored)) {
+    pthread_mutex_lock(&p->mu);
+    size_t streams = p->streams, blocked = p->blocked;
+    pthread_mutex_unlock(&p->mu);
+    return Py_BuildValue("(nn)", (Py_ssize_t)streams, (Py_ssize_t)blocked);
+}
+
+static PyObject *Pump_close(Pump *p, PyObject *Py_UNUSED(ignored)) {
+    return stop_thread(p);
+}
+
+static PyObject *Pump_notify_fd(Pump *p, void *Py_UNUSED(closure)) { return PyLong_FromLong(p->notify_fd); }
+
+static PyMethodDef Pump_methods[] = {
+    {"add", (PyCFunction)Pump_add, METH_VARARGS,
+     "add(up_fd, client_fd, state, remaining, line): relay the rest of a chunked body"},
+    {"withdraw", (PyCFunction)Pump_withdraw, METH_O,
+     "withdraw(up_fd) -> whether the job was still running; drops its uncollected result"},
+    {"collect", (PyCFunction)Pump_collect, METH_NOARGS,
+     "collect() -> [(up_fd, code, extra, message)] for the jobs that ended"},
+    {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "stats() -> (streams, blocked on a slow client)"},
+    {"close", (PyCFunction)Pump_close, METH_NOARGS, "close() -> up_fds of the jobs still running"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Pump_getset[] = {
+    {"notify_fd", (getter)Pump_notify_fd, NULL, "readable when collect() has results", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PumpType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "control._pump.Pump",
+    .tp_basicsize = sizeof(Pump),
+    .tp_dealloc = (destructor)Pump_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The relay pump's native thread (see control/relay.py).",
+    .tp_methods = Pump_methods,
+    .tp_getset = Pump_getset,
+    .tp_new = Pump_new,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "control._pump", "The router's relay pump as a native thread.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__pump(void) {
+    if (PyType_Ready(&PumpType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&PumpType);
+    if (PyModule_AddObject(m, "Pump", (PyObject *)&PumpType) < 0) {
+        Py_DECREF(&PumpType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "DONE", R_DONE) < 0 || PyModule_AddIntConstant(m, "ENGINE", R_ENGINE) < 0 ||
+        PyModule_AddIntConstant(m, "CLIENT", R_CLIENT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
