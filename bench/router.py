@@ -12,6 +12,10 @@ drives the same streaming chat workload at each concurrency against each of the 
 - proxy CPU time per relayed SSE event (the proxy process's user+system time over the events the
   clients received), and the proxy's RSS at the end.
 
+Beside them, in the same run: a bare TCP relay in Python (no HTTP: the floor a Python process pays
+for two socket hops), and the router once more with its Python relay pump (``LLMGW_RELAY=python``,
+what a build without a C compiler runs), so the native pump's share can be read off directly.
+
 Targets (the router's issue): added p50 under 1 ms at concurrency 1; at least 3x LiteLLM's requests
 per second at equal added p99; under 30 us of router CPU per relayed chunk.
 
@@ -454,6 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--itl-ms", type=float, default=5.0)
     parser.add_argument("--ttft-ms", type=float, default=10.0)
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
+    parser.add_argument(
+        "--no-python-pump", action="store_true", help="skip the router run with its Python relay pump"
+    )
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     cpus = os.cpu_count() or 1
@@ -461,7 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-router-"))
     procs: list[Proc] = []
     try:
-        engine_port, router_port, relay_port = free_port(), free_port(), free_port()
+        engine_port, router_port, relay_port, router_py_port = (
+            free_port(),
+            free_port(),
+            free_port(),
+            free_port(),
+        )
         env = {
             **os.environ,
             "LLMGW_SIM_LOAD_SECONDS": "0",
@@ -483,6 +495,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             dict(os.environ), tmp, router_port,
         )  # fmt: skip
         procs.append(router)
+        router_py = None
+        if not args.no_python_pump:
+            router_py = start(
+                "router-py",
+                [py, "-m", "control.router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
+                 "--host", "127.0.0.1", "--port", str(router_py_port)],
+                {**os.environ, "LLMGW_RELAY": "python"}, tmp, router_py_port,
+            )  # fmt: skip
+            procs.append(router_py)
         floor = start(
             "relay",
             [py, "-m", "bench.router", "relay", str(relay_port), str(engine_port)],
@@ -494,6 +515,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         wait_http(engine, "/health", 30)
         wait_http(router, "/health", 30)
         wait_http(floor, "/health", 30)
+        if router_py is not None:
+            wait_http(router_py, "/health", 30)
+        pump = next(
+            (line for line in router.log.read_text().splitlines() if "relay pump" in line),
+            "relay pump unknown",
+        )
 
         key = "sk-" + secrets.token_hex(32)
         litellm, litellm_note = (
@@ -510,6 +537,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("relay", relay_port, request_bytes(relay_port, path, None), floor.proc.pid),
             ("router", router_port, request_bytes(router_port, path, None), router.proc.pid),
         ]
+        if router_py is not None:
+            targets.append(
+                ("router-py", router_py_port, request_bytes(router_py_port, path, None), router_py.proc.pid)
+            )
         if litellm is not None:
             targets.append(
                 ("litellm", litellm.port, request_bytes(litellm.port, path, key), litellm.proc.pid)
@@ -522,8 +553,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(
             "targets: direct = the engine itself (the physical limit); relay = a bare TCP relay, no HTTP (the floor "
-            "any proxy process pays here); router = python -m control.router; litellm = LiteLLM's proxy"
+            "any proxy process pays here); router = python -m control.router; router-py = the same with its "
+            "Python relay pump (LLMGW_RELAY=python); litellm = LiteLLM's proxy"
         )
+        print(f"router: {pump.split('(', 1)[-1].rstrip(')')}")
         if litellm_note:
             print(litellm_note)
         print(
@@ -546,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rss MiB",
             "err",
         )
-        widths = (5, 8, 8, 9, 8, 8, 8, 8, 8, 7, 9, 8, 4)
+        widths = (5, 9, 8, 9, 8, 8, 8, 8, 8, 7, 9, 8, 4)
         print(
             " ".join(
                 c.rjust(w) if i != 1 else c.ljust(w)
@@ -641,6 +674,12 @@ def report(results: dict[tuple[str, int], Level], levels: list[int], with_litell
             if results["router", c].events and results["relay", c].events
         )
     )
+    if ("router-py", levels[0]) in results:
+        py = per_event("router-py")
+        print(
+            f"  CPU per relayed event with the Python relay pump, all levels: {py:.1f} us "
+            f"({py / r:.2f}x the router as built)"
+        )
     if not with_litellm:
         print("  LiteLLM ratios: not measured (see above)")
         return

@@ -362,6 +362,15 @@ static void *serve(void *arg) {
 
 /* ---- the Python type ------------------------------------------------------------------------ */
 
+/* Takes p->mu from a Python call. The thread may hold it for a whole batch of events, so wait
+ * for it without the GIL when it is taken, rather than stall every other Python thread. */
+static void lock_from_python(Pump *p) {
+    if (pthread_mutex_trylock(&p->mu) == 0) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&p->mu);
+    Py_END_ALLOW_THREADS
+}
+
 static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"coalesce_us", NULL};
     long coalesce_us = 0;
@@ -463,7 +472,7 @@ static PyObject *Pump_add(Pump *p, PyObject *args) {
     memcpy(j->line, line, (size_t)line_len);
     j->line_len = (size_t)line_len;
 
-    pthread_mutex_lock(&p->mu);
+    lock_from_python(p);
     const char *problem = NULL;
     if (p->closed) problem = "closed";
     else if ((size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) problem = "busy";
@@ -509,7 +518,7 @@ static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
     if (value == -1 && PyErr_Occurred()) return NULL;
     int up_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
     int found = 0;
-    pthread_mutex_lock(&p->mu);
+    lock_from_python(p);
     if (up_fd >= 0 && (size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) {
         drop(p, p->jobs[up_fd]);
         found = 1;
@@ -526,7 +535,7 @@ static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
     uint64_t count;
     ssize_t r = read(p->notify_fd, &count, sizeof count);
     (void)r;
-    pthread_mutex_lock(&p->mu);
+    lock_from_python(p);
     size_t n = p->results_len;
     result_t *taken = NULL;
     if (n) {
@@ -550,7 +559,7 @@ static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Pump_stats(Pump *p, PyObject *Py_UNUSED(ignored)) {
-    pthread_mutex_lock(&p->mu);
+    lock_from_python(p);
     size_t streams = p->streams, blocked = p->blocked;
     pthread_mutex_unlock(&p->mu);
     return Py_BuildValue("(nn)", (Py_ssize_t)streams, (Py_ssize_t)blocked);

@@ -21,13 +21,9 @@ from control.relay import ClientGone, EngineClosed, Pump, make_pump
 from control.router import ChunkedScanner
 
 
-@pytest.fixture(params=["native", "python"])
-def make(request: pytest.FixtureRequest) -> Callable[[], Pump]:
-    if request.param == "native" and not relay_module.NATIVE_AVAILABLE:
-        if os.environ.get("LLMGW_REQUIRE_NATIVE_PUMP"):
-            pytest.fail("the native relay pump (control/_pump.c) was not built")
-        pytest.skip("the native relay pump was not built here (no C compiler)")
-    return lambda: make_pump(request.param)
+@pytest.fixture
+def make(relay_kind: str) -> Callable[[], Pump]:
+    return lambda: make_pump(relay_kind)
 
 
 async def until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:

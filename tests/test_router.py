@@ -251,7 +251,9 @@ async def test_openai_client_plain_and_streamed(
     assert len(words.split()) == 5
 
 
-async def test_stream_is_relayed_byte_for_byte(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -> None:
+async def test_stream_is_relayed_byte_for_byte(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
+) -> None:
     """The SSE body through the router equals the engine's, apart from the per-request id and time."""
     base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", engines[0].url),))})))
     body = {
@@ -274,7 +276,7 @@ async def test_stream_is_relayed_byte_for_byte(nursery: trio.Nursery, engines: t
 
 
 async def test_client_disconnect_cancels_the_engine_request(
-    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+    nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
 ) -> None:
     a = engines[0]
     base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", a.url),))})))
@@ -300,13 +302,16 @@ async def test_client_disconnect_cancels_the_engine_request(
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
 
 
-async def test_slow_client_pauses_its_stream_and_loses_nothing(nursery: trio.Nursery, tmp_path: Path) -> None:
+async def test_slow_client_pauses_its_stream_and_loses_nothing(
+    nursery: trio.Nursery, tmp_path: Path, relay_kind: str
+) -> None:
     """A client that does not read: its stream waits (the engine is not read meanwhile), shows in
     /metrics, and once the client reads, every byte arrives as the engine sent it."""
     fast = await trio.to_thread.run_sync(start_engine, tmp_path, "fast", {"LLMGW_SIM_ITL_MS": "0"})
     try:
         router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", fast.url),))}))
         base = await serve(nursery, router)
+        assert router.pump.kind == relay_kind
         body = json.dumps(
             {
                 "model": MODEL,
@@ -348,13 +353,14 @@ async def test_slow_client_pauses_its_stream_and_loses_nothing(nursery: trio.Nur
 
 
 async def test_engine_dying_mid_stream_ends_the_client_response(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, relay_kind: str
 ) -> None:
     """The engine's connection breaks after the first events: the client's response ends at once as
     incomplete (not hanging, not looking complete), and the failure is counted."""
     doomed = await trio.to_thread.run_sync(start_engine, tmp_path, "doomed")
     router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", doomed.url),))}))
     base = await serve(nursery, router)
+    assert router.pump.kind == relay_kind
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "die"}],
