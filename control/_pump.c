@@ -12,7 +12,8 @@
  *  - withdraw(up_fd) takes a job back (its task was cancelled); it also drops a result that was
  *    queued for that job and not yet collected, so a reused descriptor never sees a stale one.
  *  - collect() returns the jobs that ended, as (up_fd, code, extra, message); the thread signals
- *    an eventfd (notify_fd) when the queue turns non-empty, which trio waits on.
+ *    an eventfd (notify_fd) when the queue turns non-empty (or, early, when a body's last bytes
+ *    are about to be sent), which trio waits on.
  *  - close() stops the thread and returns the up_fds of the jobs still running.
  *  - Pump(coalesce_us) sets the pause after each wake-up (see serve).
  * One mutex guards everything shared; the thread holds it while it serves one batch of epoll
@@ -76,6 +77,7 @@ typedef struct {
     result_t *results;
     size_t results_len, results_cap;
     int closed;
+    int notified; /* the eventfd was written during the current batch */
     long coalesce_ns; /* after a wake-up, wait this long before looking again (see serve) */
 } Pump;
 
@@ -273,6 +275,13 @@ static int send_client(Pump *p, job_t *j, const char *data, size_t n) {
     return 0;
 }
 
+static void notify(Pump *p) {
+    uint64_t one = 1;
+    ssize_t w = write(p->notify_fd, &one, sizeof one);
+    (void)w;
+    p->notified = 1;
+}
+
 static void readable(Pump *p, job_t *j, char *buf) {
     ssize_t r;
     do {
@@ -294,6 +303,13 @@ static void readable(Pump *p, job_t *j, char *buf) {
         return;
     }
     if (used < r) j->extra = 1;
+    if (j->state == S_DONE) {
+        /* The body ends with this send: wake trio now, so its wake-up overlaps the send and the
+         * client's turn-around rather than following them (at low load, the response's task
+         * finishing late is what the client's next request on this connection waits for). If
+         * the send is partial the wake-up finds nothing yet, which is harmless. */
+        notify(p);
+    }
     send_client(p, j, buf, (size_t)used);
 }
 
@@ -322,6 +338,7 @@ static void *serve(void *arg) {
         pthread_mutex_lock(&p->mu);
         size_t before = p->results_len;
         int stop = 0;
+        p->notified = 0;
         for (int k = 0; k < n; k++) {
             uint64_t d = evs[k].data.u64;
             if (d == STOP_TOKEN) {
@@ -336,11 +353,7 @@ static void *serve(void *arg) {
             if (for_client) writable(p, j);
             else readable(p, j, buf);
         }
-        if (before == 0 && p->results_len > 0) {
-            uint64_t one = 1;
-            ssize_t w = write(p->notify_fd, &one, sizeof one);
-            (void)w;
-        }
+        if (before == 0 && p->results_len > 0 && !p->notified) notify(p);
         pthread_mutex_unlock(&p->mu);
         if (stop) break;
         /* Coalescing. Engines emit in steps: one decode step writes a token to every stream in
