@@ -455,6 +455,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,32,256", help="comma list (default 1,32,256)")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point")
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=60,
+        help="lengthen a point until the engine could complete this many requests (default 60): at "
+        "concurrency 1, 4 s is a dozen requests, too few for a p50, let alone a p99",
+    )
     parser.add_argument("--itl-ms", type=float, default=5.0)
     parser.add_argument("--ttft-ms", type=float, default=10.0)
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
@@ -463,6 +470,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+
+    def window(c: int) -> float:
+        """Measured seconds at concurrency ``c``: enough for ``--min-requests`` at the engine's pace."""
+        ideal_rps = c / (args.ttft_ms / 1000 + TOKENS * args.itl_ms / 1000)
+        least: float = args.min_requests / ideal_rps
+        return max(float(args.seconds), least)
+
     cpus = os.cpu_count() or 1
 
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-router-"))
@@ -546,9 +560,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("litellm", litellm.port, request_bytes(litellm.port, path, key), litellm.proc.pid)
             )
 
+        longer = ", ".join(
+            f"{window(c):.0f} s at concurrency {c}" for c in levels if window(c) > args.seconds
+        )
         print(
             f"router bench: one sim engine, {TOKENS} tokens per streamed chat request, ITL {args.itl_ms:g} ms, "
-            f"TTFT {args.ttft_ms:g} ms; {args.seconds:g} s per point after {args.warmup:g} s of warm-up; "
+            f"TTFT {args.ttft_ms:g} ms; {args.seconds:g} s per point ({longer or 'none longer'}) "
+            f"after {args.warmup:g} s of warm-up; "
             f"{cpus} CPUs shared by the engine, the proxies and this load generator"
         )
         print(
@@ -593,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 busy = settle([t[3] for t in targets])
                 if busy:
                     notes.append(f"before {name} at concurrency {c}: {busy}")
-                level = measure(port, req, c, args.warmup, args.seconds, pid)
+                level = measure(port, req, c, args.warmup, window(c), pid)
                 results[name, c] = level
                 d = results["direct", c]
                 proxied = name != "direct"
