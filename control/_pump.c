@@ -223,6 +223,13 @@ static void finish(Pump *p, job_t *j, int code, const char *message) {
     drop(p, j);
 }
 
+/* strerror is not safe beside Python's own calls to it; the GNU strerror_r is (Python.h asks
+ * for _GNU_SOURCE). */
+static void finish_errno(Pump *p, job_t *j, int code, int e) {
+    char buf[120];
+    finish(p, j, code, strerror_r(e, buf, sizeof buf));
+}
+
 static int watch_client(Pump *p, job_t *j) {
     struct epoll_event ev = {.events = EPOLLOUT, .data.u64 = (uint64_t)j->up_fd | CLIENT_BIT};
     epoll_ctl(p->epfd, EPOLL_CTL_DEL, j->up_fd, NULL);
@@ -251,9 +258,8 @@ static int send_client(Pump *p, job_t *j, const char *data, size_t n) {
         }
         if (w < 0 && errno == EINTR) continue;
         if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-        char msg[120];
-        snprintf(msg, sizeof msg, "%s", w < 0 ? strerror(errno) : "the client's socket took nothing");
-        finish(p, j, R_CLIENT, msg);
+        if (w < 0) finish_errno(p, j, R_CLIENT, errno);
+        else finish(p, j, R_CLIENT, "the client's socket took nothing");
         return 1;
     }
     if (sent < n) { /* the client's socket is full: stop reading the engine until it drains */
@@ -263,7 +269,7 @@ static int send_client(Pump *p, job_t *j, const char *data, size_t n) {
         j->pending = rest;
         j->pending_len = n - sent;
         if (!j->on_client && watch_client(p, j) < 0) {
-            finish(p, j, R_CLIENT, strerror(errno));
+            finish_errno(p, j, R_CLIENT, errno);
             return 1;
         }
         return 0;
@@ -289,7 +295,7 @@ static void readable(Pump *p, job_t *j, char *buf) {
     } while (r < 0 && errno == EINTR);
     if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        finish(p, j, R_ENGINE, strerror(errno));
+        finish_errno(p, j, R_ENGINE, errno);
         return;
     }
     if (r == 0) {
@@ -321,7 +327,7 @@ static void writable(Pump *p, job_t *j) {
     if (!data) return; /* spurious */
     int ended = send_client(p, j, data, n);
     free(data);
-    if (!ended && !j->pending && watch_up(p, j) < 0) finish(p, j, R_ENGINE, strerror(errno));
+    if (!ended && !j->pending && watch_up(p, j) < 0) finish_errno(p, j, R_ENGINE, errno);
 }
 
 static void *serve(void *arg) {
@@ -562,8 +568,9 @@ static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
     if (n && !taken) return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
-        PyObject *t = Py_BuildValue("(iiOs)", taken[i].up_fd, taken[i].code,
-                                    taken[i].extra ? Py_True : Py_False, taken[i].message);
+        PyObject *t = Py_BuildValue(
+            "(iiON)", taken[i].up_fd, taken[i].code, taken[i].extra ? Py_True : Py_False,
+            PyUnicode_DecodeUTF8(taken[i].message, (Py_ssize_t)strlen(taken[i].message), "replace"));
         if (!t) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
     }

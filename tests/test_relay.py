@@ -268,3 +268,56 @@ def test_asking_for_a_pump_by_name() -> None:
     if relay_module.NATIVE_AVAILABLE:
         assert make_pump("native").kind == "native"
         assert make_pump().kind == "native" or os.environ.get("LLMGW_RELAY") == "python"
+
+
+async def test_many_streams_some_withdrawn_midway(nursery: trio.Nursery, make: Callable[[], Pump]) -> None:
+    """Concurrency: 100 streams at once, every third cancelled while its engine is still writing
+    (withdrawal racing the pump serving it); the rest arrive whole, and nothing stays registered."""
+    pump = make()
+    await nursery.start(pump.run)
+    socks: list[socket.socket] = []
+    outcomes: dict[int, object] = {}
+    engines: list[socket.socket] = []
+    clients: list[socket.socket] = []
+    scopes: list[trio.CancelScope] = []
+    body = chunked(40, 200)
+
+    async def one(i: int, up: socket.socket, fd: int, scope: trio.CancelScope) -> None:
+        with scope:
+            outcomes[i] = await pump.relay(up, fd, ChunkedScanner())
+            return
+        outcomes[i] = "cancelled"
+
+    for i in range(100):
+        engine, up = socket.socketpair()
+        down, client = socket.socketpair()
+        for s in (up, down, client):
+            s.setblocking(False)
+        socks += (engine, up, down, client)
+        engines.append(engine)
+        clients.append(client)
+        scopes.append(trio.CancelScope())
+        nursery.start_soon(one, i, up, down.fileno(), scopes[i])
+    await until("every relay to be registered", lambda: pump.stats()[0] == 100)
+    half = len(body) // 2
+    for engine in engines:
+        engine.sendall(body[:half])
+    for i in range(0, 100, 3):
+        scopes[i].cancel()
+    for engine in engines:
+        engine.sendall(body[half:])
+    await until("every relay to end", lambda: len(outcomes) == 100)
+    for i, client in enumerate(clients):
+        if i % 3 == 0:
+            assert outcomes[i] == "cancelled"
+            continue
+        assert outcomes[i] is True
+        got = b""
+        with trio.fail_after(10):
+            while not got.endswith(b"0\r\n\r\n"):
+                await trio.lowlevel.wait_readable(client)
+                got += client.recv(1 << 16)
+        assert got == body, f"stream {i}"
+    assert pump.stats() == (0, 0)
+    for s in socks:
+        s.close()
