@@ -1469,7 +1469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no --static MODEL=URL given")
     keys = set(args.api_key)
     keys.update(k for k in os.environ.get("LLMGW_ROUTER_API_KEYS", "").split(",") if k)
-    router = Router(routes, api_keys=frozenset(keys), relay_coalesce_us=args.relay_coalesce_us)
+    try:
+        router = Router(routes, api_keys=frozenset(keys), relay_coalesce_us=args.relay_coalesce_us)
+    except (RuntimeError, ValueError) as exc:  # LLMGW_RELAY asked for a pump that is not there
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def run() -> None:

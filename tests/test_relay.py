@@ -321,3 +321,18 @@ async def test_many_streams_some_withdrawn_midway(nursery: trio.Nursery, make: C
     assert pump.stats() == (0, 0)
     for s in socks:
         s.close()
+
+
+def test_the_router_refuses_an_unknown_pump_by_name() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "control.router", "--static", "m=http://127.0.0.1:9", "--port", "0"],
+        env={**os.environ, "LLMGW_RELAY": "fast"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "LLMGW_RELAY='fast': expected native, python or auto" in proc.stderr
