@@ -66,6 +66,7 @@ import cattrs
 from cattrs.v import format_exception
 
 import schema
+from control.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
 
 
 class ConfigError(Exception):
@@ -78,8 +79,8 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
 
 
 def _coalesce(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not 0 <= value <= 100_000:  # control.relay.MAX_COALESCE_US
-        raise ValueError(f"{attribute.name} must be 0 to 100000 (microseconds), got {value}")
+    if not 0 <= value <= MAX_COALESCE_US:
+        raise ValueError(f"{attribute.name} must be 0 to {MAX_COALESCE_US} (microseconds), got {value}")
 
 
 def _parse_range(text: str, what: str) -> tuple[int, int]:
@@ -239,7 +240,7 @@ class ControlConfig:
     #: Bearer keys the router accepts; empty: no key needed.
     api_keys: tuple[str, ...] = ()
     #: The router's relay pump pause after each wake-up, in microseconds (control/relay.py).
-    router_coalesce_us: int = attrs.field(default=250, validator=_coalesce)
+    router_coalesce_us: int = attrs.field(default=DEFAULT_COALESCE_US, validator=_coalesce)
     #: Seconds between SIGTERM and SIGKILL in StopShard; drain deadline for `ctl drain`.
     stop_grace: float = attrs.field(default=30.0, validator=_positive)
     drain_deadline: float = attrs.field(default=60.0, validator=_positive)

@@ -93,6 +93,8 @@ def make_pump(kind: str | None = None, coalesce_us: int = 0) -> Pump:
     the tokens one decode step writes to many streams are relayed by one wake-up; the Python pump
     has no such pause (each of its wake-ups costs a trio round anyway)."""
     kind = kind or os.environ.get("LLMGW_RELAY", "") or "auto"
+    if not 0 <= coalesce_us <= MAX_COALESCE_US:
+        raise ValueError(f"relay coalescing must be 0 to {MAX_COALESCE_US} us, got {coalesce_us}")
     if kind == "python" or (kind == "auto" and _pump is None):
         return PythonRelayPump()
     if kind in ("native", "auto"):
@@ -139,8 +141,6 @@ class NativeRelayPump:
     kind = "native"
 
     def __init__(self, coalesce_us: int = 0) -> None:
-        if not 0 <= coalesce_us <= MAX_COALESCE_US:
-            raise ValueError(f"relay coalescing must be 0 to {MAX_COALESCE_US} us, got {coalesce_us}")
         self.coalesce_us = coalesce_us
         self._native: _pump.Pump | None = None
         self._parked: dict[int, trio.lowlevel.Task] = {}  # engine descriptor -> owning task

@@ -265,6 +265,8 @@ def test_asking_for_a_pump_by_name() -> None:
     assert make_pump("python").kind == "python"
     with pytest.raises(ValueError, match="LLMGW_RELAY='fast'"):
         make_pump("fast")
+    with pytest.raises(ValueError, match="relay coalescing must be 0 to 100000 us, got -1"):
+        make_pump("python", coalesce_us=-1)
     if relay_module.NATIVE_AVAILABLE:
         assert make_pump("native").kind == "native"
         assert make_pump().kind == "native" or os.environ.get("LLMGW_RELAY") == "python"
