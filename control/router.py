@@ -14,9 +14,9 @@ ends (``ChunkedScanner``), so no event is decoded, re-encoded or re-framed on th
 
 Cost per token. Everything on the path of a streamed chunk is one readiness wait on the engine's
 socket, one ``recv``, one scan and one ``write`` to the client. Both sides therefore drive sockets
-themselves: h11 (sans-IO) parses client requests and keeps the client connection's state, and the
-engine side is a small HTTP/1.1 client on plain non-blocking sockets with a keep-alive pool
-(``_Pool``). An ASGI stack and httpx add several task switches and copies per chunk; on two cores
+themselves: the client side is ``control.http1`` (httptools, that is llhttp in C, reads requests;
+responses are framed there), and the engine side is a small HTTP/1.1 client on plain non-blocking
+sockets with a keep-alive pool (``_Pool``). An ASGI stack and httpx add several task switches and copies per chunk; on two cores
 that is the difference between tens and hundreds of microseconds of CPU per relayed chunk.
 
 Choosing a replica (``Balancer``). Least outstanding requests, with prefix affinity: the first
@@ -37,9 +37,9 @@ fresh one and not counted. ``eject_after`` consecutive failures eject an upstrea
 more failure ejects it again, and one success clears the record. When every upstream of a model is
 ejected they are tried anyway: refusing outright would turn a blip into an outage.
 
-Cancellation. While a response is produced a watcher reads the client's connection; end of file
-means the client left, and the upstream connection is closed at once instead of going back to the
-pool, which is how an engine (vLLM, SGLang, the simulator) learns to stop generating.
+Cancellation. Each client connection has a reader task for its whole life (``ClientConn.read``), so
+the client's end of file is seen while a response is produced; it means the client left, and the
+upstream connection is closed at once instead of going back to the pool, which is how an engine (vLLM, SGLang, the simulator) learns to stop generating.
 
 Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 bad JSON or no model,
 401 bad or missing bearer key (when keys are configured), 404 unknown model (naming the known ones),
@@ -69,9 +69,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
-import h11
 import trio
 
+from control.http1 import (
+    LAST_CHUNK,
+    ClientConn,
+    Request,
+    RequestError,
+    RequestReader,
+    chunk,
+    response_head,
+)
 from control.relay import (
     DEFAULT_COALESCE_US,
     MAX_COALESCE_US,
@@ -424,7 +432,15 @@ def parse_response_head(buf: bytes | bytearray) -> tuple[ResponseHead, int] | No
         if len(buf) > MAX_HEAD_BYTES:
             raise UpstreamError("protocol", f"response head over {MAX_HEAD_BYTES} bytes")
         return None
-    lines = bytes(buf[:end]).split(b"\r\n")
+    block = bytes(buf[:end])
+    if (
+        b"\0" in block
+        or block.count(b"\n") != block.count(b"\r\n")
+        or block.count(b"\r") != block.count(b"\n")
+    ):
+        # Relayed headers go to the client as they are: a bare CR or LF would split them there.
+        raise UpstreamError("protocol", "response head with a bare CR, LF or NUL")
+    lines = block.split(b"\r\n")
     version, _, rest = lines[0].partition(b" ")
     code, _, reason = rest.partition(b" ")
     if not version.startswith(b"HTTP/1.") or not code.isdigit():
@@ -818,47 +834,24 @@ class Metrics:
 # The server
 
 
-def _out(conn: h11.Connection, event: h11.Event) -> bytes:
-    data = conn.send(event)
-    assert data is not None  # only ConnectionClosed yields None, and it is never sent here
-    return data
-
-
 @attrs.define
 class _Exchange:
     """One request on one client connection, while it is answered."""
 
-    conn: h11.Connection
-    stream: trio.SocketStream
-    fd: int
-    head: h11.Request
-    body: bytes
+    client: ClientConn
+    request: Request
     started: float
     model: str = ""
     status: int = 0
     ttfb_done: bool = False
+    #: The response head went out: an error now can only end the connection.
+    head_sent: bool = False
+    #: The response went out whole, framed so that the connection can carry another.
+    complete: bool = False
 
-
-class _Watcher:
-    """Reads the client connection while a response is produced: end of file means the client
-    left, and the response (with its upstream request) is cancelled at once. Bytes that do arrive
-    (a pipelined next request) go to h11, which keeps them for the next cycle."""
-
-    def __init__(self, scope: trio.CancelScope) -> None:
-        self.scope = scope
-        self.gone = False
-
-    async def watch(self, conn: h11.Connection, stream: trio.SocketStream) -> None:
-        while True:
-            try:
-                data = await stream.receive_some(RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            if not data:
-                self.gone = True
-                self.scope.cancel()
-                return
-            conn.receive_data(data)
+    @property
+    def fd(self) -> int:
+        return self.client.fd
 
 
 class Router:
@@ -946,87 +939,52 @@ class Router:
             self.balancer.prune(live, now)
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER)
-        fd = stream.socket.fileno()
+        reader = RequestReader(max_body=self.max_body_bytes)
+        client = ClientConn(stream, reader, backlog_bytes=self.max_body_bytes)
         try:
-            while True:
-                request = None
-                with trio.move_on_after(self.client_idle_timeout):
-                    request = await self._read_request(conn, stream)
-                if request is None:  # closed, unreadable, or idle past client_idle_timeout
-                    return
-                head, body = request
-                ex = _Exchange(conn, stream, fd, head, body, self.clock())
-                await self._respond(ex)
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    return
-                conn.start_next_cycle()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone, _UpstreamBroken):
-            return
-        except h11.ProtocolError:
-            return
-        except Exception:
-            # One connection's bug must not take the server down with it.
-            log.exception("router: connection handler failed")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.read)
+                await self._serve_client(client)
+                nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _read_request(
-        self, conn: h11.Connection, stream: trio.SocketStream
-    ) -> tuple[h11.Request, bytes] | None:
-        head: h11.Request | None = None
-        body: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                await self._refuse(
-                    conn, stream, RouterError(400, f"malformed HTTP request: {exc}", "invalid_request_error")
-                )
-                return None
-            if event is h11.NEED_DATA:
-                data = await stream.receive_some(RECEIVE_SIZE)
-                conn.receive_data(data)
-                continue
-            if isinstance(event, h11.Request):
-                head = event
-                if conn.they_are_waiting_for_100_continue:
-                    await stream.send_all(_out(conn, h11.InformationalResponse(status_code=100, headers=[])))
-            elif isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > self.max_body_bytes:
-                    error = RouterError(
-                        413, f"request body over {self.max_body_bytes} bytes", "invalid_request_error"
-                    )
-                    await self._refuse(conn, stream, error)
-                    return None
-                body.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                assert head is not None
-                return head, b"".join(body)
-            else:  # ConnectionClosed, or PAUSED (only after a whole request, returned above)
-                return None
-
-    async def _refuse(self, conn: h11.Connection, stream: trio.SocketStream, error: RouterError) -> None:
-        """Answer a request that cannot be read to its end, and close."""
-        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        body = error.body()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers.append((b"connection", b"close"))
+    async def _serve_client(self, client: ClientConn) -> None:
+        """Answer the client's requests in order until the connection ends. Nothing escapes: the
+        connection's reader task shares the nursery and one connection's failure is its own."""
         try:
-            data = _out(conn, h11.Response(status_code=error.status, headers=headers))
-            data += _out(conn, h11.Data(data=body)) + _out(conn, h11.EndOfMessage())
-        except h11.LocalProtocolError:
+            while True:
+                request = None
+                with trio.move_on_after(self.client_idle_timeout):
+                    try:
+                        request = await client.next_request()
+                    except RequestError as error:
+                        await self._refuse(client, error)
+                        return
+                if request is None:  # closed, switched protocols, or idle past client_idle_timeout
+                    return
+                ex = _Exchange(client, request, self.clock())
+                await self._respond(ex)
+                if not (ex.complete and request.keep_alive) or client.eof:
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone, _UpstreamBroken):
             return
-        await stream.send_all(data)
+        except Exception:
+            # One connection's bug must not take the server down with it.
+            log.exception("router: connection handler failed")
+
+    async def _refuse(self, client: ClientConn, error: RequestError) -> None:
+        """Answer a request that cannot be read to its end, and close."""
+        body = RouterError(error.status, error.message, "invalid_request_error").body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await client.stream.send_all(response_head(error.status, headers, close=True) + body)
+        await client.linger()
 
     # -- one request ------------------------------------------------------------------------------
 
     async def _respond(self, ex: _Exchange) -> None:
-        head = ex.head
+        head = ex.request
         path = head.target.split(b"?", 1)[0]
         try:
             if path == b"/metrics" or path == b"/health":
@@ -1059,14 +1017,14 @@ class Router:
             raise
         except Exception as exc:
             log.exception("router: %s %r failed", head.method.decode(), head.target)
-            if ex.conn.our_state is not h11.SEND_RESPONSE:
+            if ex.head_sent:
                 raise  # the response had begun: closing the connection is all that is left
             internal = RouterError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
             self.metrics.request(ex.model or "", 500)
             await self._send(ex, 500, internal.body())
 
-    def _method(self, head: h11.Request, allowed: bytes) -> None:
-        if head.method != allowed:
+    def _method(self, head: Request, allowed: bytes) -> None:
+        if head.method != allowed and not (allowed == b"GET" and head.method == b"HEAD"):
             raise RouterError(
                 405,
                 f"{head.method.decode()} not allowed here; use {allowed.decode()}",
@@ -1074,7 +1032,7 @@ class Router:
                 "method_not_allowed",
             )
 
-    def _authorize(self, head: h11.Request) -> None:
+    def _authorize(self, head: Request) -> None:
         if not self.api_keys:
             return
         given = b""
@@ -1109,13 +1067,14 @@ class Router:
         self, ex: _Exchange, status: int, body: bytes, content_type: bytes = b"application/json"
     ) -> None:
         headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-        data = _out(ex.conn, h11.Response(status_code=status, headers=headers))
-        data += _out(ex.conn, h11.Data(data=body)) + _out(ex.conn, h11.EndOfMessage())
-        await ex.stream.send_all(data)
+        data = response_head(status, headers, close=not ex.request.keep_alive)
+        ex.head_sent = True
+        await ex.client.stream.send_all(data if ex.request.method == b"HEAD" else data + body)
+        ex.complete = True
 
     async def _proxy(self, ex: _Exchange) -> None:
         try:
-            doc = json.loads(ex.body)
+            doc = json.loads(ex.request.body)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
             raise RouterError(
                 400, f"the request body is not valid JSON: {exc}", "invalid_request_error"
@@ -1146,18 +1105,19 @@ class Router:
         key = affinity_key(doc, self.affinity_chars)
         digest = _digest(key) if key else None
 
-        watcher = _Watcher(trio.CancelScope())
+        client = ex.client
         failure: Exception | None = None
-        with watcher.scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watcher.watch, ex.conn, ex.stream)
-                try:
-                    await self._forward(ex, routes, digest)
-                except Exception as exc:  # raised outside the nursery, so it is not wrapped in a group
-                    failure = exc
-                finally:
-                    nursery.cancel_scope.cancel()
-        if watcher.gone or isinstance(failure, _ClientGone):
+        with trio.CancelScope() as scope:
+            client.response_scope = scope  # the client's end of file cancels the upstream request
+            if client.eof:
+                scope.cancel()
+            try:
+                await self._forward(ex, routes, digest)
+            except Exception as exc:
+                failure = exc
+            finally:
+                client.response_scope = None
+        if client.eof or isinstance(failure, _ClientGone):
             self.metrics.disconnects[model] = self.metrics.disconnects.get(model, 0) + 1
             self.metrics.request(model, 499)
             raise _ClientGone()
@@ -1168,15 +1128,16 @@ class Router:
         self.metrics.request(model, ex.status)
 
     def _upstream_request(self, ex: _Exchange, target: Target) -> bytes:
-        head = ex.head
+        head = ex.request
+        body = head.body
         lines = [head.method, b" ", target.base_path, head.target, b" HTTP/1.1\r\nhost: ", target.host_header]
         lines.append(b"\r\ncontent-length: ")
-        lines.append(str(len(ex.body)).encode())
+        lines.append(str(len(body)).encode())
         for name, value in head.headers:
             if name in FORWARDED_REQUEST_HEADERS or (name == b"authorization" and not self.api_keys):
                 lines += (b"\r\n", name, b": ", value)
         lines.append(b"\r\n\r\n")
-        lines.append(ex.body)
+        lines.append(body)
         return b"".join(lines)
 
     async def _forward(self, ex: _Exchange, routes: ModelRoutes, digest: bytes | None) -> None:
@@ -1300,7 +1261,7 @@ class Router:
             raise _ClientGone(str(exc)) from exc
         if sent < len(data):
             try:
-                await ex.stream.send_all(data[sent:])
+                await ex.client.stream.send_all(data[sent:])
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise _ClientGone(str(exc)) from exc
         if not ex.ttfb_done:
@@ -1310,26 +1271,40 @@ class Router:
     async def _relay(
         self, ex: _Exchange, conn: _UpstreamConn, head: ResponseHead, buf: bytes, upstream: Upstream
     ) -> bool:
-        """Relay the response to the client; returns whether the upstream connection is reusable."""
+        """Relay the response to the client; returns whether the upstream connection is reusable.
+
+        The body keeps the engine's framing where the client can take it: chunked to an HTTP/1.1
+        client (byte for byte), a content-length body as it is. An HTTP/1.0 client gets a chunked
+        body decoded, ended by closing; a body the engine ends by closing goes to an HTTP/1.1
+        client chunked, so that its connection stays usable."""
         ex.status = head.status
-        h = ex.conn
-        passthrough = head.framing == CHUNKED and h.their_http_version == b"1.1"
+        http11 = ex.request.http11
         headers = [(k, v) for k, v in head.headers if k not in HOP_BY_HOP]
         headers.append((b"x-llmgw-replica", upstream.replica_id.encode()))
-        if head.framing == CHUNKED and passthrough:
-            headers.append((b"transfer-encoding", b"chunked"))
+        close = not ex.request.keep_alive
+        encode = False
+        if head.framing == NO_BODY:
+            headers.append((b"content-length", b"0"))
         elif head.framing == LENGTH:
             headers.append((b"content-length", str(head.length).encode()))
-        elif head.framing == NO_BODY:
-            headers.append((b"content-length", b"0"))
-        out = _out(h, h11.Response(status_code=head.status, headers=headers, reason=head.reason))
+        elif http11:  # CHUNKED relayed as it is, or UNTIL_CLOSE chunk-encoded here
+            headers.append((b"transfer-encoding", b"chunked"))
+            encode = head.framing == UNTIL_CLOSE
+        else:
+            close = True  # an HTTP/1.0 client: the end of the body is the end of the connection
+        out = response_head(head.status, headers, close=close, reason=head.reason)
+        ex.head_sent = True
         try:
             if head.framing == NO_BODY:
-                await self._write(ex, out + _out(h, h11.EndOfMessage()))
+                await self._write(ex, out)
+                ex.complete = not close
                 return head.keep_alive and not buf
-            if passthrough:
-                return await self._relay_chunked(ex, conn, buf, out, head.keep_alive)
-            return await self._relay_decoded(ex, conn, head, buf, out)
+            if head.framing == CHUNKED and http11:
+                reusable = await self._relay_chunked(ex, conn, buf, out, head.keep_alive)
+            else:
+                reusable = await self._relay_decoded(ex, conn, head, buf, out, encode)
+            ex.complete = not close
+            return reusable
         except OSError as exc:  # the engine's socket broke after the response had begun
             self.metrics.upstream_error(upstream, "mid_stream")
             raise _UpstreamBroken(str(exc)) from exc
@@ -1342,8 +1317,7 @@ class Router:
     ) -> bool:
         """The hot path: chunked bytes pass through unchanged. The head and the first event are
         written here (time to first byte never waits on the pump); the rest of the body goes to
-        the relay pump (``control.relay``). h11 frames only the head; its EndOfMessage bytes are
-        dropped because the engine's last chunk was relayed already."""
+        the relay pump (``control.relay``)."""
         scanner = ChunkedScanner()
         data = buf
         while not data:
@@ -1363,20 +1337,20 @@ class Router:
                 raise _UpstreamBroken(str(exc)) from None
             except (ClientGone, RelayClosed) as exc:
                 raise _ClientGone(str(exc)) from None
-        ex.conn.send(h11.EndOfMessage())
         return keep_alive and not extra
 
     async def _relay_decoded(
-        self, ex: _Exchange, conn: _UpstreamConn, head: ResponseHead, buf: bytes, out: bytes
+        self, ex: _Exchange, conn: _UpstreamConn, head: ResponseHead, buf: bytes, out: bytes, encode: bool
     ) -> bool:
-        """Bodies h11 must frame for the client: content-length (relayed as it arrives), chunked to
-        an HTTP/1.0 client, or an engine body that ends when its connection closes."""
-        h = ex.conn
+        """Bodies that are not passed through chunk for chunk: content-length (relayed as it
+        arrives), chunked to an HTTP/1.0 client (decoded), or an engine body that ends when its
+        connection closes (chunk-encoded when ``encode``)."""
         scanner = ChunkedScanner(decode=True) if head.framing == CHUNKED else None
         remaining = head.length
         extra = False
         data = buf
         while True:
+            done = False
             if data:
                 if scanner is not None:
                     used = scanner.feed(data)
@@ -1389,23 +1363,18 @@ class Router:
                     remaining -= len(data)
                     pieces, done = [data], remaining == 0
                 else:
-                    pieces, done = [data], False
-                for piece in pieces:
-                    out += _out(h, h11.Data(data=piece))
-                if done:
-                    out += _out(h, h11.EndOfMessage())
-                if out:
-                    await self._write(ex, out)
-                    out = b""
-                if done:
-                    return head.keep_alive and not extra
-            elif out:
+                    pieces = [data]
+                out += b"".join(chunk(p) for p in pieces if p) if encode else b"".join(pieces)
+            if out:
                 await self._write(ex, out)
                 out = b""
+            if done:
+                return head.keep_alive and not extra
             data = await conn.recv()
             if not data:
                 if head.framing == UNTIL_CLOSE:
-                    await self._write(ex, _out(h, h11.EndOfMessage()))
+                    if encode:
+                        await self._write(ex, LAST_CHUNK)
                     return False
                 raise _UpstreamBroken("the engine closed the connection mid-response")
 

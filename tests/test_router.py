@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import attrs
+import h11
 import httpx
 import openai
 import pytest
@@ -381,6 +382,197 @@ async def test_engine_dying_mid_stream_ends_the_client_response(
     assert sample(text, "llmgw_router_upstream_errors_total", replica="r0", kind="mid_stream") == 1
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
     assert router.pump.stats() == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The client's side of HTTP/1.1: raw bytes in, h11 (an independent parser) reading what comes back
+
+
+async def raw_connect(base: str) -> trio.socket.SocketType:
+    sock = trio.socket.socket()
+    await sock.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+    return sock
+
+
+def post(path: bytes, doc: dict[str, object], version: bytes = b"1.1", extra: bytes = b"") -> bytes:
+    body = json.dumps(doc).encode()
+    return (
+        b"POST %s HTTP/%s\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s"
+        % (
+            path,
+            version,
+            len(body),
+            extra,
+            body,
+        )
+    )
+
+
+async def recv_until_closed(sock: trio.socket.SocketType, have: bytes = b"") -> bytes:
+    """Everything until the router closes the connection (failing if it does not within 15 s)."""
+    with trio.fail_after(15):
+        while data := await sock.recv(65536):
+            have += data
+    return have
+
+
+async def read_responses(
+    sock: trio.socket.SocketType, methods: list[bytes], have: bytes = b""
+) -> tuple[list[tuple[h11.Response, bytes]], bytes]:
+    """Read one response per method, in order, each with a fresh h11 client that believes it sent
+    that request; returns them with the bytes left over."""
+    out: list[tuple[h11.Response, bytes]] = []
+    with trio.fail_after(15):
+        for method in methods:
+            conn = h11.Connection(h11.CLIENT)
+            conn.send(
+                h11.Request(method=method, target="/", headers=[("host", "x"), ("content-length", "0")])
+            )
+            conn.send(h11.EndOfMessage())
+            if have:  # (h11 takes empty data for the end of the connection)
+                conn.receive_data(have)
+            response: h11.Response | None = None
+            body = b""
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await sock.recv(65536))
+                elif isinstance(event, h11.Response):
+                    response = event
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise AssertionError(
+                        f"the router closed the connection before the response to {method!r} ended"
+                    )
+            assert response is not None
+            out.append((response, body))
+            have = conn.trailing_data[0]
+    return out, have
+
+
+def header(response: h11.Response, name: bytes) -> bytes | None:
+    return next((v for k, v in response.headers if k == name), None)
+
+
+STREAM = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "pipelined"}],
+    "max_tokens": 3,
+    "stream": True,
+}
+
+
+async def test_pipelined_requests_are_answered_in_order_on_one_connection(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
+) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    sock = await raw_connect(base)
+    await sock.send(
+        b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n"
+        + post(b"/v1/chat/completions", STREAM)
+        + post(b"/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        + b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+    )
+    methods = [b"HEAD", b"POST", b"POST", b"GET"]
+    (head, stream, plain, models), rest = await read_responses(sock, methods)
+    assert head[0].status_code == 200 and head[1] == b"" and header(head[0], b"content-length") == b"16"
+    assert stream[0].status_code == 200 and header(stream[0], b"transfer-encoding") == b"chunked"
+    assert stream[1].count(b"data: ") == 6 and stream[1].endswith(b"data: [DONE]\n\n")
+    assert plain[0].status_code == 200 and len(json.loads(plain[1])["choices"]) == 1
+    assert [m["id"] for m in json.loads(models[1])["data"]] == [MODEL]
+    # Still open and in step.
+    await sock.send(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    ((health, body),), rest = await read_responses(sock, [b"GET"], rest)
+    assert health.status_code == 200 and body == b'{"status":"ok"}\n' and rest == b""
+    sock.close()
+
+
+async def test_an_http10_client_gets_the_stream_unchunked_then_a_close(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
+) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    sock = await raw_connect(base)
+    await sock.send(post(b"/v1/chat/completions", STREAM, version=b"1.0"))
+    raw = await recv_until_closed(sock)
+    sock.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b"transfer-encoding" not in head.lower()
+    assert body.startswith(b"data: {") and body.count(b"data: ") == 6 and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_expect_100_continue_and_a_chunked_request_body(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    sock = await raw_connect(base)
+    body = json.dumps({"model": MODEL, "prompt": "continue", "max_tokens": 2}).encode()
+    await sock.send(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\nexpect: 100-continue\r\n\r\n"
+        % len(body)
+    )
+    interim = b""
+    with trio.fail_after(15):
+        while b"\r\n\r\n" not in interim:
+            interim += await sock.recv(65536)
+    assert interim.startswith(b"HTTP/1.1 100 ")
+    await sock.send(body)
+    ((done, answer),), rest = await read_responses(sock, [b"POST"], interim.partition(b"\r\n\r\n")[2])
+    assert done.status_code == 200 and json.loads(answer)["choices"]
+    # The same request with its body sent in chunks, split mid-JSON.
+    pieces = [body[:7], body[7:20], body[20:]]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    await sock.send(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + chunked
+    )
+    ((done, answer),), _ = await read_responses(sock, [b"POST"], rest)
+    assert done.status_code == 200 and json.loads(answer)["choices"]
+    sock.close()
+
+
+async def test_connection_close_is_honoured_and_idle_clients_are_closed(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), client_idle_timeout=0.3))
+    sock = await raw_connect(base)
+    await sock.send(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    raw = await recv_until_closed(sock)
+    sock.close()
+    assert raw.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close\r\n" in raw.lower()
+    idle = await raw_connect(base)
+    assert await recv_until_closed(idle) == b""  # nothing sent: closed after client_idle_timeout
+    idle.close()
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "words"),
+    [
+        (b"GARBAGE\r\n\r\n", 400, "malformed HTTP request"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n" + b"x" * 2000,
+            413,
+            "over 1000 bytes",
+        ),
+        (b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"y" * 70000 + b"\r\n\r\n", 431, "header"),
+    ],
+    ids=["garbage", "body-too-large", "headers-too-large"],
+)
+async def test_a_request_that_cannot_be_read_gets_an_error_and_a_close(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine], request_bytes: bytes, status: int, words: str
+) -> None:
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), max_body_bytes=1000))
+    sock = await raw_connect(base)
+    await sock.send(request_bytes)
+    raw = await recv_until_closed(sock)
+    sock.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), raw[:200]
+    assert b"\r\nconnection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"]
 
 
 # ---------------------------------------------------------------------------------------------
