@@ -303,6 +303,35 @@ async def test_client_disconnect_cancels_the_engine_request(
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
 
 
+async def test_client_hanging_up_before_the_first_byte_cancels_the_engine_request(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    """A client that leaves while the engine has not answered yet (a non-streamed request: 500
+    tokens at 20 ms, 10 s before any byte) cancels the engine's request at once."""
+    a = engines[0]
+    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", a.url),))})))
+    before = await trio.to_thread.run_sync(a.metric, "llmgw_sim_requests_cancelled_total")
+    sock = await raw_connect(base)
+    await sock.send(post(b"/v1/completions", {"model": MODEL, "prompt": "leave", "max_tokens": 500}))
+
+    async def metric(name: str) -> float:
+        return await trio.to_thread.run_sync(a.metric, name)
+
+    deadline = trio.current_time() + 10
+    while await metric("llmgw_sim_requests_running") < 1:
+        assert trio.current_time() < deadline, "the request never reached the engine"
+        await trio.sleep(0.02)  # poll interval; the deadline above bounds the wait
+    sock.close()
+    deadline = trio.current_time() + 5
+    while (now := await metric("llmgw_sim_requests_cancelled_total")) <= before:
+        assert trio.current_time() < deadline, "the engine never saw the client hang up"
+        await trio.sleep(0.02)  # poll interval; the deadline above bounds the wait
+    assert now == before + 1
+    text = await trio.to_thread.run_sync(metrics_of, base)
+    assert sample(text, "llmgw_router_requests_total", model=MODEL, status="499") == 1
+    assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
+
+
 async def test_slow_client_pauses_its_stream_and_loses_nothing(
     nursery: trio.Nursery, tmp_path: Path, relay_kind: str
 ) -> None:
