@@ -367,9 +367,10 @@ static void *serve(void *arg) {
          * at once is woken for nearly every one of them (each wake-up a context switch, about as
          * costly as the recv and send it serves). Pausing briefly lets the rest of the step
          * arrive, to be served by one wake-up. A token may wait up to the pause; the gaps between
-         * a stream's tokens stay the same on average, and the first one (written by the
-         * response's own task) never waits. An idle stream's next event is not delayed at all:
-         * the pause has ended long before it comes. A full batch skips the pause. */
+         * a stream's tokens stay the same on average. A stream's first token waits only when it
+         * comes during a pause, that is when the pump is busy. An idle stream's next event is
+         * not delayed at all: the pause has ended long before it comes. A full batch skips the
+         * pause. */
         if (p->coalesce_ns && n < MAX_EVENTS) {
             struct timespec ts = {0, p->coalesce_ns};
             nanosleep(&ts, NULL);

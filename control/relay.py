@@ -11,8 +11,8 @@ a chunk waiting: per chunk, exactly one ``recv``, one scan of the chunk-size lin
 router, the more chunks share a wake-up.
 
 What stays in the response's own task: reading the request, choosing a replica, retries, the
-response head and the first event (so time to first byte never waits on the pump), and every
-decision after the body ends. The pump only moves bytes, and it runs in trio's thread, so there are
+response head (with whatever part of the body came with it), and every decision after the body
+ends. The pump only moves bytes, and it runs in trio's thread, so there are
 no locks: a job is registered, served and withdrawn between checkpoints.
 
 Ownership. The task that owns a response stays parked in ``relay`` until the body has ended,
