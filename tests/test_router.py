@@ -571,6 +571,16 @@ async def test_connection_close_is_honoured_and_idle_clients_are_closed(
     raw = await recv_until_closed(sock)
     sock.close()
     assert raw.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close\r\n" in raw.lower()
+    # An upgrade the router does not take: answered as plain HTTP/1.1, then the connection ends
+    # (what follows the request would be the other protocol's bytes).
+    sock = await raw_connect(base)
+    await sock.send(
+        b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\nPRI * HTTP/2.0"
+    )
+    raw = await recv_until_closed(sock)
+    sock.close()
+    assert raw.startswith(b"HTTP/1.1 200 ") and raw.endswith(b'{"status":"ok"}\n')
+    assert b"\r\nconnection: close\r\n" in raw.lower()
     idle = await raw_connect(base)
     assert await recv_until_closed(idle) == b""  # nothing sent: closed after client_idle_timeout
     idle.close()
