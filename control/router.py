@@ -16,8 +16,9 @@ Cost per token. Everything on the path of a streamed chunk is one readiness wait
 socket, one ``recv``, one scan and one ``write`` to the client. Both sides therefore drive sockets
 themselves: the client side is ``control.http1`` (httptools, that is llhttp in C, reads requests;
 responses are framed there), and the engine side is a small HTTP/1.1 client on plain non-blocking
-sockets with a keep-alive pool (``_Pool``). An ASGI stack and httpx add several task switches and copies per chunk; on two cores
-that is the difference between tens and hundreds of microseconds of CPU per relayed chunk.
+sockets with a keep-alive pool (``_Pool``). An ASGI stack and httpx add several task switches and
+copies per chunk; on two cores that is the difference between tens and hundreds of microseconds of
+CPU per relayed chunk.
 
 Choosing a replica (``Balancer``). Least outstanding requests, with prefix affinity: the first
 ``affinity_chars`` characters of the prompt (chat messages concatenated, or ``prompt``, or ``input``)
@@ -39,7 +40,8 @@ ejected they are tried anyway: refusing outright would turn a blip into an outag
 
 Cancellation. The client connection's watcher task waits for the client to hang up
 (``control.http1.ClientConn``); a hang-up during a response means the client left, and the
-upstream connection is closed at once instead of going back to the pool, which is how an engine (vLLM, SGLang, the simulator) learns to stop generating.
+upstream connection is closed at once instead of going back to the pool, which is how an engine
+(vLLM, SGLang, the simulator) learns to stop generating.
 
 Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 bad JSON or no model,
 401 bad or missing bearer key (when keys are configured), 404 unknown model (naming the known ones),
@@ -969,7 +971,7 @@ class Router:
 
     async def _serve_client(self, client: ClientConn) -> None:
         """Answer the client's requests in order until the connection ends. Nothing escapes: the
-        connection's reader task shares the nursery and one connection's failure is its own."""
+        connection's watcher task shares the nursery and one connection's failure is its own."""
         try:
             while True:
                 request = None
