@@ -41,6 +41,8 @@
 #define MAX_LINE 4096
 #define CLIENT_BIT ((uint64_t)1 << 32)
 #define STOP_TOKEN ((uint64_t)1 << 40)
+/* A wake-up that served one event after waiting longer than this many pauses finds the pump idle. */
+#define IDLE_PAUSES 4
 
 /* Scanner states: the same numbers as router.ChunkedScanner's. */
 enum { S_SIZE = 0, S_DATA = 1, S_CRLF = 2, S_TRAILER = 3, S_DONE = 4 };
@@ -336,11 +338,15 @@ static void *serve(void *arg) {
     char *buf = malloc(RECEIVE_SIZE);
     if (!buf) abort();
     for (;;) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
         int n = epoll_wait(p->epfd, evs, MAX_EVENTS, -1);
         if (n < 0) {
             if (errno == EINTR) continue;
             break;
         }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        long waited_ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
         pthread_mutex_lock(&p->mu);
         size_t before = p->results_len;
         int stop = 0;
@@ -370,8 +376,10 @@ static void *serve(void *arg) {
          * a stream's tokens stay the same on average. A stream's first token waits only when it
          * comes during a pause, that is when the pump is busy. An idle stream's next event is
          * not delayed at all: the pause has ended long before it comes. A full batch skips the
-         * pause. */
-        if (p->coalesce_ns && n < MAX_EVENTS) {
+         * pause. So does a lone event after a long wait (more than IDLE_PAUSES pauses): the pump
+         * is idle, nothing else is on its way, and the pause would only cost a second sleep and
+         * wake-up per event (at concurrency 1 that was 68 us per event instead of 56). */
+        if (p->coalesce_ns && n < MAX_EVENTS && (n > 1 || waited_ns < IDLE_PAUSES * p->coalesce_ns)) {
             struct timespec ts = {0, p->coalesce_ns};
             nanosleep(&ts, NULL);
         }
