@@ -952,20 +952,22 @@ class Router:
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
         reader = RequestReader(max_body=self.max_body_bytes)
-        try:
-            client = ClientConn(stream, reader)
-        except OSError as exc:  # no descriptor left for its hang-up watch
-            log.warning("router: refusing a client connection: %s", exc)
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-            return
+        client: ClientConn | None = None
         try:
             async with trio.open_nursery() as nursery:
+                # The nursery's scope is the connection's: the watcher task cancels it when the
+                # client hangs up, and next_request sets its deadline to the idle timeout.
+                try:
+                    client = ClientConn(stream, reader, nursery.cancel_scope, self.client_idle_timeout)
+                except OSError as exc:  # no descriptor left for its hang-up watch
+                    log.warning("router: refusing a client connection: %s", exc)
+                    return
                 nursery.start_soon(client.watch)
                 await self._serve_client(client)
                 nursery.cancel_scope.cancel()
         finally:
-            client.close()
+            if client is not None:
+                client.close()
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
@@ -974,14 +976,12 @@ class Router:
         connection's watcher task shares the nursery and one connection's failure is its own."""
         try:
             while True:
-                request = None
-                with trio.move_on_after(self.client_idle_timeout):
-                    try:
-                        request = await client.next_request()
-                    except RequestError as error:
-                        await self._refuse(client, error)
-                        return
-                if request is None:  # closed, switched protocols, or idle past client_idle_timeout
+                try:
+                    request = await client.next_request()
+                except RequestError as error:
+                    await self._refuse(client, error)
+                    return
+                if request is None:  # closed or switched protocols (idle: the scope is cancelled)
                     return
                 ex = _Exchange(client, request, self.clock())
                 await self._respond(ex)
@@ -1124,24 +1124,19 @@ class Router:
         key = affinity_key(doc, self.affinity_chars)
         digest = _digest(key) if key else None
 
-        client = ex.client
-        failure: Exception | None = None
-        with trio.CancelScope() as scope:
-            client.begin_watch(scope)  # the client's end of file cancels the upstream request
-            try:
-                await self._forward(ex, routes, digest)
-            except Exception as exc:
-                failure = exc
-            finally:
-                client.end_watch()
-        if client.eof or isinstance(failure, _ClientGone):
-            self.metrics.disconnects[model] = self.metrics.disconnects.get(model, 0) + 1
-            self.metrics.request(model, 499)
-            raise _ClientGone()
-        if isinstance(failure, _UpstreamBroken):
-            self.metrics.request(model, ex.status)
-        if failure is not None:
-            raise failure
+        # The client hanging up cancels the connection's scope (ClientConn.watch), and with it
+        # this request: leaving _forward closes the engine connection, which cancels its work.
+        try:
+            await self._forward(ex, routes, digest)
+        except BaseException as exc:
+            if ex.client.eof or isinstance(exc, _ClientGone):
+                self.metrics.disconnects[model] = self.metrics.disconnects.get(model, 0) + 1
+                self.metrics.request(model, 499)
+                if not isinstance(exc, trio.Cancelled):
+                    raise _ClientGone() from None
+            elif isinstance(exc, _UpstreamBroken):
+                self.metrics.request(model, ex.status)
+            raise
         self.metrics.request(model, ex.status)
 
     def _upstream_request(self, ex: _Exchange, target: Target) -> bytes:
