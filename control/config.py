@@ -5,7 +5,7 @@
     state_dir = "/var/lib/llmgw-control"
 
     api_keys = ["sk-..."]          # optional: bearer keys the router accepts
-    router_coalesce_us = 250       # streamed tokens arriving within this share a relay wake-up
+    router_coalesce_us = 500       # streamed tokens arriving within this share a relay wake-up
 
     [listen]
     agents = "0.0.0.0:7070"        # agent streams: gRPC, Connect and WebSocket on one port

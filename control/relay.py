@@ -54,10 +54,13 @@ NATIVE_AVAILABLE = _pump is not None
 RECEIVE_SIZE = 65536  # per recv, here and in the router
 MAX_COALESCE_US = 100_000  # as control/_pump.c checks
 # The router's default pause: a decode step's tokens for a few dozen streams arrive within about
-# that, and a token delayed by a quarter of a millisecond is under 1% of any engine's inter-token
-# latency. Measured on the sim engine at concurrency 32: router CPU per event 35-37 us without,
-# 26-27 us with it, inter-token gaps unchanged.
-DEFAULT_COALESCE_US = 250
+# that, and a token delayed by half a millisecond is a few percent of an engine's inter-token
+# latency, and only while the pump is busy (an idle pump relays at once). Measured on the sim
+# engine (ITL 5 ms), two CPUs, three interleaved rounds: router CPU per event 29.2-30.5 us at
+# concurrency 32 and 29.1-32.0 us at 256 with 250 us, 23.7-29.6 and 27.4-31.5 us with 500 us;
+# the clients' inter-token gaps and first bytes were no later (on a saturated machine, the CPU
+# the router gives back is the engine's and the clients'). 1000 us saved little more.
+DEFAULT_COALESCE_US = 500
 MAX_EVENTS = 512  # per wake-up; the rest wait for the next round, after other tasks had theirs
 
 
