@@ -9,9 +9,15 @@
  * Contract with control/relay.py (NativeRelayPump):
  *  - add(up_fd, client_fd, state, remaining, line) hands over the rest of one chunked body. The
  *    job is keyed by up_fd: the engine socket, which the caller keeps open until the job ends.
+ *  - respond(up_fd, client_fd, suffix) hands over a whole response, from the engine's head on:
+ *    an HTTP/1.1 200 head with a chunked body is rewritten for the client (client_head, with
+ *    the router's suffix) and sent with the body bytes that came with it, and the job goes on as
+ *    add's; any other head ends the job with HEAD and the bytes read, nothing sent; an engine
+ *    that fails before its head is complete ends it with EARLY (errno, whether bytes came).
  *  - withdraw(up_fd) takes a job back (its task was cancelled); it also drops a result that was
  *    queued for that job and not yet collected, so a reused descriptor never sees a stale one.
- *  - collect() returns the jobs that ended, as (up_fd, code, extra, message); the thread signals
+ *  - collect() returns the jobs that ended, as (up_fd, code, extra, message, data, errno,
+ *    sent_at), sent_at being when a response job's head went out; the thread signals
  *    an eventfd (notify_fd) when the queue turns non-empty (or, early, when a body's last bytes
  *    are about to be sent), which trio waits on.
  *  - close() stops the thread and returns the up_fds of the jobs still running.
@@ -47,8 +53,13 @@
 /* Scanner states: the same numbers as router.ChunkedScanner's. */
 enum { S_SIZE = 0, S_DATA = 1, S_CRLF = 2, S_TRAILER = 3, S_DONE = 4 };
 
-/* Result codes, as relay.py reads them. */
-enum { R_DONE = 0, R_ENGINE = 1, R_CLIENT = 2 };
+/* Result codes, as relay.py reads them. HEAD: the engine's response head was not one this thread
+ * relays itself, and what arrived is handed back to the router. EARLY: the engine failed before its
+ * head was complete (nothing reached the client, so the router may try another replica). */
+enum { R_DONE = 0, R_ENGINE = 1, R_CLIENT = 2, R_HEAD = 3, R_EARLY = 4 };
+
+/* The longest engine response head the thread waits for before handing it to the router. */
+#define MAX_HEAD 65536
 
 typedef struct {
     int up_fd, client_fd;
@@ -58,13 +69,23 @@ typedef struct {
     size_t line_len;
     char *pending; /* bytes the client's socket did not take yet */
     size_t pending_len;
-    int extra;       /* the engine sent bytes past the body's end */
+    int extra;       /* the connection cannot carry another request: bytes past the body's end,
+                        or the engine said connection: close */
     int on_client;   /* waiting for the client's socket to drain rather than for the engine */
+    int in_head;     /* a response job that has not relayed its head yet (see client_head) */
+    char *head;      /* ... what the engine sent so far */
+    size_t head_len;
+    char *suffix;    /* ... the router's own headers and the blank line, appended to the head */
+    size_t suffix_len;
+    double sent_at;  /* CLOCK_MONOTONIC seconds when the head went to the client (response jobs) */
 } job_t;
 
 typedef struct {
-    int up_fd, code, extra;
+    int up_fd, code, extra, err;
     char message[160];
+    char *data; /* R_HEAD: what the engine sent (owned; handed to Python by collect) */
+    size_t data_len;
+    double sent_at;
 } result_t;
 
 typedef struct {
@@ -192,7 +213,7 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
 
 /* ---- the thread (runs without the GIL, with p->mu held while serving events) -------------- */
 
-static void push_result(Pump *p, int up_fd, int code, int extra, const char *message) {
+static result_t *push_result(Pump *p, int up_fd, int code, int extra, const char *message) {
     if (p->results_len == p->results_cap) {
         size_t cap = p->results_cap ? p->results_cap * 2 : 64;
         result_t *r = realloc(p->results, cap * sizeof(result_t));
@@ -204,7 +225,12 @@ static void push_result(Pump *p, int up_fd, int code, int extra, const char *mes
     r->up_fd = up_fd;
     r->code = code;
     r->extra = extra;
+    r->err = 0;
+    r->data = NULL;
+    r->data_len = 0;
+    r->sent_at = 0;
     snprintf(r->message, sizeof r->message, "%s", message);
+    return r;
 }
 
 static void unwatch(Pump *p, job_t *j) {
@@ -217,11 +243,13 @@ static void drop(Pump *p, job_t *j) {
     p->jobs[j->up_fd] = NULL;
     p->streams--;
     free(j->pending);
+    free(j->head);
+    free(j->suffix);
     free(j);
 }
 
 static void finish(Pump *p, job_t *j, int code, const char *message) {
-    push_result(p, j->up_fd, code, j->extra, message);
+    push_result(p, j->up_fd, code, j->extra, message)->sent_at = j->sent_at;
     drop(p, j);
 }
 
@@ -321,6 +349,192 @@ static void readable(Pump *p, job_t *j, char *buf) {
     send_client(p, j, buf, (size_t)used);
 }
 
+/* ---- response heads ------------------------------------------------------------------------ */
+
+static int is_space(char c) { return c == ' ' || c == '\t' || c == '\v' || c == '\f'; }
+
+/* Lowercase ASCII comparison of s[0..n) with the lowercase word w. */
+static int same_word(const char *s, size_t n, const char *w) {
+    size_t k = strlen(w);
+    if (n != k) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (c >= 'A' && c <= 'Z') c = (char)(c - 'A' + 'a');
+        if (c != w[i]) return 0;
+    }
+    return 1;
+}
+
+static const char *const HOP_BY_HOP[] = {
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
+    "te", "trailer", "transfer-encoding", "upgrade", "content-length", NULL,
+};
+
+/* The client's response head for the engine's head h[0..n) (status line and header lines, without
+ * the blank line), in the one case this thread relays itself: HTTP/1.1 200 with a chunked body and
+ * plain header lines. It is what control.router writes for such a head: the status line with the
+ * engine's reason, the engine's headers (names lowercased, values stripped) less the hop-by-hop
+ * ones, then the router's suffix. Returns a malloc'd buffer and sets *out_len and *keep (the
+ * engine keeps the connection open), or returns NULL for any other head, which then goes to the
+ * router's Python (router.parse_response_head), the one place that judges and refuses heads;
+ * tests/test_relay.py checks that the two agree. */
+static char *client_head(const char *h, size_t n, const char *suffix, size_t suffix_len, size_t *out_len,
+                         int *keep) {
+    for (size_t i = 0; i < n; i++) {
+        char c = h[i];
+        if (c == 0) return NULL;
+        if (c == '\r' && (i + 1 >= n || h[i + 1] != '\n')) return NULL;
+        if (c == '\n' && (i == 0 || h[i - 1] != '\r')) return NULL;
+    }
+    const char *eol = memmem(h, n, "\r\n", 2);
+    size_t status_len = eol ? (size_t)(eol - h) : n;
+    static const char status[] = "HTTP/1.1 200";
+    size_t sl = sizeof status - 1;
+    if (status_len < sl || memcmp(h, status, sl) != 0 || (status_len > sl && h[sl] != ' ')) return NULL;
+    const char *reason = status_len > sl ? h + sl + 1 : "";
+    size_t reason_len = status_len > sl ? status_len - sl - 1 : 0;
+    if (!reason_len) {
+        reason = "OK";
+        reason_len = 2;
+    }
+    char *out = malloc(2 * n + 32 + suffix_len); /* "a:b" lines grow by one byte each */
+    if (!out) abort();
+    size_t o = 0;
+    memcpy(out, "HTTP/1.1 200 ", 13);
+    o = 13;
+    memcpy(out + o, reason, reason_len);
+    o += reason_len;
+    out[o++] = '\r';
+    out[o++] = '\n';
+    int chunked = 0, close = 0;
+    size_t i = eol ? status_len + 2 : n;
+    while (i < n) {
+        const char *line = h + i;
+        const char *next = memmem(line, n - i, "\r\n", 2);
+        size_t len = next ? (size_t)(next - line) : n - i;
+        i += len + 2;
+        const char *colon = memchr(line, ':', len);
+        if (!colon || !len || is_space(line[0])) goto other; /* malformed, or a continuation line */
+        size_t a = 0, b = (size_t)(colon - line);
+        while (a < b && is_space(line[a])) a++;
+        while (b > a && is_space(line[b - 1])) b--;
+        size_t va = (size_t)(colon - line) + 1, vb = len;
+        while (va < vb && is_space(line[va])) va++;
+        while (vb > va && is_space(line[vb - 1])) vb--;
+        const char *name = line + a, *value = line + va;
+        size_t name_len = b - a, value_len = vb - va;
+        if (same_word(name, name_len, "content-length")) goto other;
+        if (same_word(name, name_len, "transfer-encoding"))
+            chunked = value_len >= 7 && same_word(value + value_len - 7, 7, "chunked");
+        if (same_word(name, name_len, "connection")) {
+            int saw_close = 0, saw_keep = 0;
+            size_t t = 0;
+            while (t <= value_len) {
+                size_t e = t;
+                while (e < value_len && value[e] != ',') e++;
+                size_t ta = t, tb = e;
+                while (ta < tb && is_space(value[ta])) ta++;
+                while (tb > ta && is_space(value[tb - 1])) tb--;
+                if (same_word(value + ta, tb - ta, "close")) saw_close = 1;
+                if (same_word(value + ta, tb - ta, "keep-alive")) saw_keep = 1;
+                t = e + 1;
+            }
+            if (saw_close) close = 1;
+            else if (saw_keep) close = 0;
+        }
+        int hop = 0;
+        for (const char *const *w = HOP_BY_HOP; *w; w++)
+            if (same_word(name, name_len, *w)) hop = 1;
+        if (hop) continue;
+        for (size_t k = 0; k < name_len; k++) {
+            char c = name[k];
+            out[o++] = (c >= 'A' && c <= 'Z') ? (char)(c - 'A' + 'a') : c;
+        }
+        out[o++] = ':';
+        out[o++] = ' ';
+        memcpy(out + o, value, value_len);
+        o += value_len;
+        out[o++] = '\r';
+        out[o++] = '\n';
+    }
+    if (!chunked) goto other;
+    memcpy(out + o, suffix, suffix_len);
+    *out_len = o + suffix_len;
+    *keep = !close;
+    return out;
+other:
+    free(out);
+    return NULL;
+}
+
+static double monotonic_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* A response job's head phase: collect the engine's head; relay it if client_head takes it, with
+ * the body bytes that came along, and go on as a body job; otherwise hand it to the router. */
+static void head_readable(Pump *p, job_t *j, char *buf) {
+    ssize_t r;
+    do {
+        r = recv(j->up_fd, buf, RECEIVE_SIZE, MSG_DONTWAIT);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (r <= 0) {
+        int e = r < 0 ? errno : 0;
+        char text[120] = "";
+        const char *message = e ? strerror_r(e, text, sizeof text)
+                              : j->head_len ? "closed mid response head"
+                                            : "closed the connection before responding";
+        result_t *res = push_result(p, j->up_fd, R_EARLY, j->head_len > 0, message);
+        res->err = e;
+        drop(p, j);
+        return;
+    }
+    char *h = realloc(j->head, j->head_len + (size_t)r);
+    if (!h) abort();
+    memcpy(h + j->head_len, buf, (size_t)r);
+    size_t from = j->head_len > 3 ? j->head_len - 3 : 0;
+    j->head = h;
+    j->head_len += (size_t)r;
+    const char *end = memmem(h + from, j->head_len - from, "\r\n\r\n", 4);
+    size_t out_len = 0;
+    int keep = 0;
+    char *out = end ? client_head(h, (size_t)(end - h), j->suffix, j->suffix_len, &out_len, &keep) : NULL;
+    if (!out) {
+        if (!end && j->head_len <= MAX_HEAD) return; /* more to come */
+        result_t *res = push_result(p, j->up_fd, R_HEAD, 0, "");
+        res->data = j->head;
+        res->data_len = j->head_len;
+        j->head = NULL;
+        drop(p, j);
+        return;
+    }
+    const char *body = end + 4;
+    size_t body_len = j->head_len - (size_t)(body - h);
+    char err[120];
+    ssize_t used = body_len ? scan(j, body, body_len, err, sizeof err) : 0;
+    if (used < 0) {
+        free(out);
+        finish(p, j, R_ENGINE, err);
+        return;
+    }
+    if ((size_t)used < body_len || !keep) j->extra = 1;
+    char *all = realloc(out, out_len + (size_t)used);
+    if (!all) abort();
+    memcpy(all + out_len, body, (size_t)used);
+    free(j->head);
+    free(j->suffix);
+    j->head = j->suffix = NULL;
+    j->head_len = j->suffix_len = 0;
+    j->in_head = 0;
+    j->sent_at = monotonic_now();
+    if (j->state == S_DONE) notify(p); /* as in readable */
+    send_client(p, j, all, out_len + (size_t)used);
+    free(all);
+}
+
 static void writable(Pump *p, job_t *j) {
     char *data = j->pending;
     size_t n = j->pending_len;
@@ -363,6 +577,7 @@ static void *serve(void *arg) {
             int for_client = (d & CLIENT_BIT) != 0;
             if (for_client != j->on_client) continue; /* stale: the job changed sides meanwhile */
             if (for_client) writable(p, j);
+            else if (j->in_head) head_readable(p, j, buf);
             else readable(p, j, buf);
         }
         if (before == 0 && p->results_len > 0 && !p->notified) notify(p);
@@ -471,35 +686,15 @@ static void Pump_dealloc(Pump *p) {
     if (p->notify_fd >= 0) close(p->notify_fd);
     if (p->stop_fd >= 0) close(p->stop_fd);
     free(p->jobs);
+    for (size_t i = 0; i < p->results_len; i++) free(p->results[i].data);
     free(p->results);
     pthread_mutex_destroy(&p->mu);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-static PyObject *Pump_add(Pump *p, PyObject *args) {
-    int up_fd, client_fd, state;
-    unsigned long long remaining;
-    const char *line;
-    Py_ssize_t line_len;
-    if (!PyArg_ParseTuple(args, "iiiKy#", &up_fd, &client_fd, &state, &remaining, &line, &line_len)) return NULL;
-    if (up_fd < 0 || client_fd < 0 || up_fd == client_fd) {
-        PyErr_Format(PyExc_ValueError, "bad descriptors: up %d, client %d", up_fd, client_fd);
-        return NULL;
-    }
-    if (state < S_SIZE || state > S_TRAILER || line_len > MAX_LINE ||
-        (line_len && state != S_SIZE && state != S_TRAILER)) {
-        PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
-        return NULL;
-    }
-    job_t *j = calloc(1, sizeof *j);
-    if (!j) return PyErr_NoMemory();
-    j->up_fd = up_fd;
-    j->client_fd = client_fd;
-    j->state = state;
-    j->remaining = remaining;
-    memcpy(j->line, line, (size_t)line_len);
-    j->line_len = (size_t)line_len;
-
+/* Registers a new job (and frees it on failure, with a Python exception set). */
+static PyObject *start_job(Pump *p, job_t *j) {
+    int up_fd = j->up_fd;
     lock_from_python(p);
     const char *problem = NULL;
     if (p->closed) problem = "closed";
@@ -528,6 +723,7 @@ static PyObject *Pump_add(Pump *p, PyObject *args) {
     }
     pthread_mutex_unlock(&p->mu);
     if (problem) {
+        free(j->suffix);
         free(j);
         if (err) {
             errno = err;
@@ -541,6 +737,59 @@ static PyObject *Pump_add(Pump *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static int check_fds(int up_fd, int client_fd) {
+    if (up_fd < 0 || client_fd < 0 || up_fd == client_fd) {
+        PyErr_Format(PyExc_ValueError, "bad descriptors: up %d, client %d", up_fd, client_fd);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Pump_add(Pump *p, PyObject *args) {
+    int up_fd, client_fd, state;
+    unsigned long long remaining;
+    const char *line;
+    Py_ssize_t line_len;
+    if (!PyArg_ParseTuple(args, "iiiKy#", &up_fd, &client_fd, &state, &remaining, &line, &line_len)) return NULL;
+    if (check_fds(up_fd, client_fd) < 0) return NULL;
+    if (state < S_SIZE || state > S_TRAILER || line_len > MAX_LINE ||
+        (line_len && state != S_SIZE && state != S_TRAILER)) {
+        PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
+        return NULL;
+    }
+    job_t *j = calloc(1, sizeof *j);
+    if (!j) return PyErr_NoMemory();
+    j->up_fd = up_fd;
+    j->client_fd = client_fd;
+    j->state = state;
+    j->remaining = remaining;
+    memcpy(j->line, line, (size_t)line_len);
+    j->line_len = (size_t)line_len;
+    return start_job(p, j);
+}
+
+static PyObject *Pump_respond(Pump *p, PyObject *args) {
+    int up_fd, client_fd;
+    const char *suffix;
+    Py_ssize_t suffix_len;
+    if (!PyArg_ParseTuple(args, "iiy#", &up_fd, &client_fd, &suffix, &suffix_len)) return NULL;
+    if (check_fds(up_fd, client_fd) < 0) return NULL;
+    job_t *j = calloc(1, sizeof *j);
+    if (!j) return PyErr_NoMemory();
+    j->suffix = malloc((size_t)suffix_len + 1);
+    if (!j->suffix) {
+        free(j);
+        return PyErr_NoMemory();
+    }
+    memcpy(j->suffix, suffix, (size_t)suffix_len);
+    j->suffix_len = (size_t)suffix_len;
+    j->up_fd = up_fd;
+    j->client_fd = client_fd;
+    j->state = S_SIZE;
+    j->in_head = 1;
+    return start_job(p, j);
+}
+
 static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
     long value = PyLong_AsLong(arg);
     if (value == -1 && PyErr_Occurred()) return NULL;
@@ -552,8 +801,10 @@ static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
         found = 1;
     }
     size_t k = 0;
-    for (size_t i = 0; i < p->results_len; i++)
+    for (size_t i = 0; i < p->results_len; i++) {
         if (p->results[i].up_fd != up_fd) p->results[k++] = p->results[i];
+        else free(p->results[i].data);
+    }
     p->results_len = k;
     pthread_mutex_unlock(&p->mu);
     return PyBool_FromLong(found);
@@ -577,12 +828,16 @@ static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
     if (n && !taken) return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
-        PyObject *t = Py_BuildValue(
-            "(iiON)", taken[i].up_fd, taken[i].code, taken[i].extra ? Py_True : Py_False,
-            PyUnicode_DecodeUTF8(taken[i].message, (Py_ssize_t)strlen(taken[i].message), "replace"));
+        result_t *r = &taken[i];
+        PyObject *data = r->data ? PyBytes_FromStringAndSize(r->data, (Py_ssize_t)r->data_len) : Py_NewRef(Py_None);
+        PyObject *t = data ? Py_BuildValue(
+            "(iiONNid)", r->up_fd, r->code, r->extra ? Py_True : Py_False,
+            PyUnicode_DecodeUTF8(r->message, (Py_ssize_t)strlen(r->message), "replace"), data, r->err,
+            r->sent_at) : NULL;
         if (!t) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
     }
+    for (size_t i = 0; i < n; i++) free(taken[i].data);
     free(taken);
     return out;
 }
@@ -603,10 +858,12 @@ static PyObject *Pump_notify_fd(Pump *p, void *Py_UNUSED(closure)) { return PyLo
 static PyMethodDef Pump_methods[] = {
     {"add", (PyCFunction)Pump_add, METH_VARARGS,
      "add(up_fd, client_fd, state, remaining, line): relay the rest of a chunked body"},
+    {"respond", (PyCFunction)Pump_respond, METH_VARARGS,
+     "respond(up_fd, client_fd, suffix): relay a response from its head (or hand the head back)"},
     {"withdraw", (PyCFunction)Pump_withdraw, METH_O,
      "withdraw(up_fd) -> whether the job was still running; drops its uncollected result"},
     {"collect", (PyCFunction)Pump_collect, METH_NOARGS,
-     "collect() -> [(up_fd, code, extra, message)] for the jobs that ended"},
+     "collect() -> [(up_fd, code, extra, message, data, errno, sent_at)] for the jobs that ended"},
     {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "stats() -> (streams, blocked on a slow client)"},
     {"close", (PyCFunction)Pump_close, METH_NOARGS, "close() -> up_fds of the jobs still running"},
     {NULL, NULL, 0, NULL},
@@ -629,8 +886,28 @@ static PyTypeObject PumpType = {
     .tp_new = Pump_new,
 };
 
+static PyObject *module_client_head(PyObject *Py_UNUSED(m), PyObject *args) {
+    const char *head, *suffix;
+    Py_ssize_t head_len, suffix_len;
+    if (!PyArg_ParseTuple(args, "y#y#", &head, &head_len, &suffix, &suffix_len)) return NULL;
+    size_t out_len;
+    int keep;
+    char *out = client_head(head, (size_t)head_len, suffix, (size_t)suffix_len, &out_len, &keep);
+    if (!out) Py_RETURN_NONE;
+    PyObject *r = Py_BuildValue("(y#O)", out, (Py_ssize_t)out_len, keep ? Py_True : Py_False);
+    free(out);
+    return r;
+}
+
+static PyMethodDef module_methods[] = {
+    {"client_head", module_client_head, METH_VARARGS,
+     "client_head(head, suffix) -> (client head, engine keeps the connection) or None: what the "
+     "thread writes for an engine head (without its blank line), for tests"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "control._pump", "The router's relay pump as a native thread.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "control._pump", "The router's relay pump as a native thread.", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__pump(void) {
@@ -644,7 +921,8 @@ PyMODINIT_FUNC PyInit__pump(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "DONE", R_DONE) < 0 || PyModule_AddIntConstant(m, "ENGINE", R_ENGINE) < 0 ||
-        PyModule_AddIntConstant(m, "CLIENT", R_CLIENT) < 0) {
+        PyModule_AddIntConstant(m, "CLIENT", R_CLIENT) < 0 || PyModule_AddIntConstant(m, "HEAD", R_HEAD) < 0 ||
+        PyModule_AddIntConstant(m, "EARLY", R_EARLY) < 0 || PyModule_AddIntConstant(m, "MAX_HEAD", MAX_HEAD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

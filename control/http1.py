@@ -306,12 +306,28 @@ def response_head(
     status: int, headers: Iterable[tuple[bytes, bytes]], *, close: bool, reason: bytes = b""
 ) -> bytes:
     """A response's status line and headers, ``connection: close`` added when ``close``."""
+    return status_block(status, headers, reason) + end_of_head((), close=close)
+
+
+def status_block(status: int, headers: Iterable[tuple[bytes, bytes]], reason: bytes = b"") -> bytes:
+    """The status line and ``headers``, without the end of the head (``end_of_head``). The relay
+    pump's thread writes the same for the engine heads it relays itself (``_pump.c``,
+    ``client_head``)."""
     if not reason:
         try:
             reason = http.HTTPStatus(status).phrase.encode()
         except ValueError:
             reason = b""
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    for name, value in headers:
+        lines += (name, b": ", value, b"\r\n")
+    return b"".join(lines)
+
+
+def end_of_head(headers: Iterable[tuple[bytes, bytes]], *, close: bool) -> bytes:
+    """The end of a response head: the last ``headers``, ``connection: close`` when ``close``,
+    and the blank line."""
+    lines: list[bytes] = []
     for name, value in headers:
         lines += (name, b": ", value, b"\r\n")
     if close:

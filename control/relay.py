@@ -13,7 +13,10 @@ router, the more chunks share a wake-up.
 What stays in the response's own task: reading the request, choosing a replica, retries, the
 response head (with whatever part of the body came with it), and every decision after the body
 ends. The pump only moves bytes, and it runs in trio's thread, so there are
-no locks: a job is registered, served and withdrawn between checkpoints.
+no locks: a job is registered, served and withdrawn between checkpoints. The native pump also
+takes the usual response head over (``NativeRelayPump.respond``): an HTTP/1.1 200 with a chunked
+body is rewritten for the client and relayed by its thread, so the response's task is woken once
+per streamed request rather than twice; any other head is handed back to the task unsent.
 
 Ownership. The task that owns a response stays parked in ``relay`` until the body has ended,
 failed, or the task is cancelled (its client left, or the router is stopping). Cancellation
@@ -41,6 +44,7 @@ import socket
 from collections.abc import Callable
 from typing import Protocol
 
+import attrs
 import outcome
 import trio
 
@@ -122,6 +126,30 @@ class ClientGone(Exception):
     """Writing to the client failed: it closed or reset its connection."""
 
 
+class EngineFailedEarly(Exception):
+    """The engine's connection failed or closed before its response head was complete; nothing
+    reached the client, so another replica may be tried. ``errno`` is the socket error (0: the
+    engine closed the connection), ``got_bytes`` whether any of the head had arrived."""
+
+    def __init__(self, message: str, errno: int, got_bytes: bool) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.got_bytes = got_bytes
+
+
+@attrs.frozen
+class Response:
+    """How ``NativeRelayPump.respond`` ended. ``handed_back``: the engine's head was not the
+    common case the pump relays itself (see ``_pump.c``, ``client_head``), and these bytes are
+    what arrived so far, for the router to read on from; the client has been sent nothing.
+    Otherwise the whole response went to the client: ``reusable`` says whether the engine's
+    connection can carry another request, ``sent_at`` when the head went out (``time.monotonic``)."""
+
+    handed_back: bytes | None
+    reusable: bool = False
+    sent_at: float = 0.0
+
+
 class _Job:
     __slots__ = ("client_fd", "extra", "finished", "pending", "scanner", "task", "up", "up_fd", "watching")
 
@@ -152,19 +180,14 @@ class NativeRelayPump:
         """Serve relays until cancelled; jobs still parked then fail with ``RelayClosed``."""
         native = self._native = _pump.Pump(coalesce_us=self.coalesce_us)
         parked = self._parked
-        errors = {_pump.ENGINE: EngineClosed, _pump.CLIENT: ClientGone}
         try:
             task_status.started()
             while True:
                 await trio.lowlevel.wait_readable(native.notify_fd)
-                for up_fd, code, extra, message in native.collect():
-                    task = parked.pop(up_fd, None)
-                    if task is None:
-                        continue
-                    if code == _pump.DONE:
-                        trio.lowlevel.reschedule(task, outcome.Value(not extra))
-                    else:
-                        trio.lowlevel.reschedule(task, outcome.Error(errors[code](message)))
+                for result in native.collect():
+                    task = parked.pop(result[0], None)
+                    if task is not None:
+                        trio.lowlevel.reschedule(task, outcome.Value(result))
         finally:
             self._native = None
             native.close()  # joins the thread: from here on nothing touches the descriptors
@@ -185,6 +208,36 @@ class NativeRelayPump:
             raise RelayClosed("the relay pump is not running")
         up_fd = up.fileno()
         native.add(up_fd, client_fd, *scanner.snapshot())
+        code, extra, message, _, _, _ = await self._wait(native, up_fd)
+        if code != _pump.DONE:
+            raise (EngineClosed if code == _pump.ENGINE else ClientGone)(message)
+        return not extra
+
+    async def respond(self, up: socket.socket, client_fd: int, suffix: bytes) -> Response:
+        """Relay a whole response from its head: the engine's head, rewritten for the client
+        with ``suffix`` (the router's own headers and the blank line) appended, then the body,
+        all from the pump's thread, when the head is HTTP/1.1 200 with a chunked body; any other
+        head is handed back (``Response.handed_back``) before anything is sent. Raises
+        ``EngineFailedEarly`` when the engine fails before its head is complete, then as
+        ``relay``. The router's own code then runs once per streamed request, not twice: no
+        wake-up of its task for the head, and the first token goes out with it when it came
+        along."""
+        native = self._native
+        if native is None:
+            raise RelayClosed("the relay pump is not running")
+        up_fd = up.fileno()
+        native.respond(up_fd, client_fd, suffix)
+        code, extra, message, data, errno, sent_at = await self._wait(native, up_fd)
+        if code == _pump.DONE:
+            return Response(None, not extra, sent_at)
+        if code == _pump.HEAD:
+            return Response(data)
+        if code == _pump.EARLY:
+            raise EngineFailedEarly(message, errno, extra)
+        raise (EngineClosed if code == _pump.ENGINE else ClientGone)(message)
+
+    async def _wait(self, native: _pump.Pump, up_fd: int) -> tuple[int, bool, str, bytes | None, int, float]:
+        """Park the calling task until the thread reports on ``up_fd``'s job."""
         self._parked[up_fd] = trio.lowlevel.current_task()
 
         def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
@@ -192,8 +245,10 @@ class NativeRelayPump:
             native.withdraw(up_fd)  # also drops a result the thread queued meanwhile
             return trio.lowlevel.Abort.SUCCEEDED
 
-        result: bool = await trio.lowlevel.wait_task_rescheduled(abort)
-        return result
+        result: tuple[
+            int, int, bool, str, bytes | None, int, float
+        ] = await trio.lowlevel.wait_task_rescheduled(abort)
+        return result[1:]
 
 
 class PythonRelayPump:

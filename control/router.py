@@ -67,7 +67,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -80,7 +80,9 @@ from control.http1 import (
     RequestError,
     RequestReader,
     chunk,
+    end_of_head,
     response_head,
+    status_block,
 )
 from control.relay import (
     DEFAULT_COALESCE_US,
@@ -88,6 +90,8 @@ from control.relay import (
     RECEIVE_SIZE,
     ClientGone,
     EngineClosed,
+    EngineFailedEarly,
+    NativeRelayPump,
     Pump,
     RelayClosed,
     make_pump,
@@ -859,6 +863,8 @@ class _Exchange:
     head_sent: bool = False
     #: The response went out whole, framed so that the connection can carry another.
     complete: bool = False
+    #: What the relay pump read of an engine head it did not relay itself (see _respond_whole).
+    handed_back: bytes = b""
 
     @property
     def fd(self) -> int:
@@ -873,7 +879,8 @@ class Router:
     more outstanding requests than the least loaded upstream the preferred one may have),
     ``max_attempts`` (replicas tried per request), ``eject_after``/``eject_base``/``eject_max``
     (ejection), ``connect_timeout``, ``response_timeout`` (until the response head; None: no limit,
-    since a queued LLM request may wait long for its first token), ``pool_max_idle`` and
+    since a queued LLM request may wait long for its first token; with a limit, heads are read
+    by the response's task, where the limit applies, rather than by the relay pump), ``pool_max_idle`` and
     ``pool_idle_timeout`` (below the engines' keep-alive timeout: uvicorn's is 5 s),
     ``client_idle_timeout`` (an idle client connection is closed after it), ``max_body_bytes``,
     ``relay_coalesce_us`` (the native relay pump's pause after each wake-up, so that the tokens
@@ -1187,6 +1194,11 @@ class Router:
             except ValueError as exc:
                 return self._failed(upstream, UpstreamError("connect", str(exc)))
             request = self._upstream_request(ex, target)
+            # The native pump relays the usual streamed response from its head on (see _respond_whole);
+            # with a response timeout, the head is waited for here, where the timeout applies.
+            whole = (
+                isinstance(self.pump, NativeRelayPump) and ex.request.http11 and self.response_timeout is None
+            )
             head: ResponseHead | None = None
             buf = b""
             for fresh in (False, True):
@@ -1196,17 +1208,25 @@ class Router:
                     if conn is None:
                         conn = await self.pool.connect(upstream.url)
                     await conn.send_all(request)
+                    if whole:
+                        reusable = await self._respond_whole(ex, conn, upstream)
+                        if reusable is not None:
+                            if reusable:
+                                self.pool.release(conn, self.clock())
+                                conn = None
+                            return None
+                        buf = ex.handed_back
                     if self.response_timeout is None:
-                        head, buf = await self._read_head(conn)
+                        head, buf = await self._read_head(conn, buf)
                     else:
                         with trio.fail_after(self.response_timeout):
-                            head, buf = await self._read_head(conn)
+                            head, buf = await self._read_head(conn, buf)
                     break
-                except (OSError, trio.TooSlowError, UpstreamError) as exc:
+                except (OSError, trio.TooSlowError, UpstreamError, EngineFailedEarly) as exc:
                     if conn is not None:
                         conn.close()
                         conn = None
-                    error = exc if isinstance(exc, UpstreamError) else _classify(exc)
+                    error = _classify(exc)
                     if reused and not fresh and not error.got_bytes:
                         continue  # a pooled connection the engine had closed: redo on a new one
                     return self._failed(upstream, error)
@@ -1239,16 +1259,51 @@ class Router:
             )
         return text
 
-    async def _read_head(self, conn: _UpstreamConn) -> tuple[ResponseHead, bytes]:
+    async def _respond_whole(self, ex: _Exchange, conn: _UpstreamConn, upstream: Upstream) -> bool | None:
+        """The usual streamed response, all of it relayed by the native pump's thread from the
+        engine's head on (``NativeRelayPump.respond``): this task is woken once per request,
+        when the body has ended, instead of once more for the head. Returns whether the
+        engine's connection is reusable, or None when the pump handed the head back (in
+        ``ex.handed_back``) for ``_read_head`` and ``_relay`` to take from there; raises
+        ``EngineFailedEarly`` when the engine failed before its head (another replica may be
+        tried)."""
+        suffix = end_of_head(
+            ((b"x-llmgw-replica", upstream.replica_id.encode()), (b"transfer-encoding", b"chunked")),
+            close=not ex.request.keep_alive,
+        )
+        pump = cast(NativeRelayPump, self.pump)
+        try:
+            answer = await pump.respond(conn.sock, ex.fd, suffix)
+        except EngineClosed as exc:  # after the head, or a malformed first chunk with it
+            self.balancer.succeeded(upstream)
+            self.metrics.upstream_error(upstream, "mid_stream")
+            ex.status = 200
+            raise _UpstreamBroken(str(exc)) from None
+        except (ClientGone, RelayClosed) as exc:
+            raise _ClientGone(str(exc)) from None
+        if answer.handed_back is not None:
+            ex.handed_back = answer.handed_back
+            return None
+        self.balancer.succeeded(upstream)
+        ex.status = 200
+        ex.head_sent = True
+        ex.complete = ex.request.keep_alive
+        self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - answer.sent_at))
+        return answer.reusable
+
+    async def _read_head(self, conn: _UpstreamConn, buf: bytes = b"") -> tuple[ResponseHead, bytes]:
+        """The engine's response head (after any 1xx heads), and the body bytes that came with
+        it; ``buf`` is what was read already."""
+        data = buf or conn.recv_nowait()
         buf = b""
-        ready = conn.recv_nowait()
         while True:
-            data = await conn.recv() if ready is None else ready
-            ready = None
+            if data is None:
+                data = await conn.recv()
             if not data:
                 what = "closed the connection before responding" if not buf else "closed mid response head"
                 raise UpstreamError("closed", what, got_bytes=bool(buf))
             buf += data
+            data = None
             parsed = parse_response_head(buf)
             if parsed is None:
                 continue
@@ -1293,20 +1348,22 @@ class Router:
         client chunked, so that its connection stays usable."""
         ex.status = head.status
         http11 = ex.request.http11
-        headers = [(k, v) for k, v in head.headers if k not in HOP_BY_HOP]
-        headers.append((b"x-llmgw-replica", upstream.replica_id.encode()))
+        ours = [(b"x-llmgw-replica", upstream.replica_id.encode())]
         close = not ex.request.keep_alive
         encode = False
         if head.framing == NO_BODY:
-            headers.append((b"content-length", b"0"))
+            ours.append((b"content-length", b"0"))
         elif head.framing == LENGTH:
-            headers.append((b"content-length", str(head.length).encode()))
+            ours.append((b"content-length", str(head.length).encode()))
         elif http11:  # CHUNKED relayed as it is, or UNTIL_CLOSE chunk-encoded here
-            headers.append((b"transfer-encoding", b"chunked"))
+            ours.append((b"transfer-encoding", b"chunked"))
             encode = head.framing == UNTIL_CLOSE
         else:
             close = True  # an HTTP/1.0 client: the end of the body is the end of the connection
-        out = response_head(head.status, headers, close=close, reason=head.reason)
+        # The engine's headers less the hop-by-hop ones, then ours: as the pump's thread writes
+        # the heads it relays itself (_respond_whole).
+        engine = [(k, v) for k, v in head.headers if k not in HOP_BY_HOP]
+        out = status_block(head.status, engine, head.reason) + end_of_head(ours, close=close)
         ex.head_sent = True
         try:
             if head.framing == NO_BODY:
@@ -1388,7 +1445,15 @@ class Router:
                 raise _UpstreamBroken("the engine closed the connection mid-response")
 
 
-def _classify(exc: OSError | trio.TooSlowError) -> UpstreamError:
+def _classify(exc: OSError | trio.TooSlowError | UpstreamError | EngineFailedEarly) -> UpstreamError:
+    """What went wrong with an upstream before its response head, as the balancer and the
+    metrics name it."""
+    if isinstance(exc, UpstreamError):
+        return exc
+    if isinstance(exc, EngineFailedEarly):  # the relay pump's thread saw it (see _respond_whole)
+        if not exc.errno:
+            return UpstreamError("closed", str(exc), got_bytes=exc.got_bytes)
+        exc = OSError(exc.errno, os.strerror(exc.errno))  # the subclass that names the errno
     if isinstance(exc, trio.TooSlowError):
         return UpstreamError("timeout", "timed out")
     if isinstance(exc, ConnectionRefusedError):

@@ -338,3 +338,213 @@ def test_the_router_refuses_an_unknown_pump_by_name() -> None:
     )
     assert proc.returncode == 2
     assert "LLMGW_RELAY='fast': expected native, python or auto" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole responses (NativeRelayPump.respond): the native thread relays the usual engine head itself
+
+
+def native_pump() -> relay_module.NativeRelayPump:
+    """The native pump, which alone relays heads; failing in CI where it must be built."""
+    if not relay_module.NATIVE_AVAILABLE:
+        if os.environ.get("LLMGW_REQUIRE_NATIVE_PUMP"):
+            pytest.fail("the native relay pump (control/_pump.c) was not built")
+        pytest.skip("the native relay pump was not built here (no C compiler)")
+    pump = make_pump("native")
+    assert isinstance(pump, relay_module.NativeRelayPump)
+    return pump
+
+
+SUFFIX = b"x-llmgw-replica: r0\r\ntransfer-encoding: chunked\r\n\r\n"
+
+# The heads engines send for a streamed completion: uvicorn (vLLM, SGLang, TensorRT-LLM's
+# trtllm-serve), cpp-httplib (llama.cpp's server) and h11 (the sim engine).
+ENGINE_HEADS = [
+    b"HTTP/1.1 200 OK\r\ndate: Thu, 03 Dec 2026 14:00:00 GMT\r\nserver: uvicorn\r\n"
+    b"content-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked",
+    b"HTTP/1.1 200 OK\r\nAccess-Control-Allow-Origin: \r\nContent-Type: text/event-stream\r\n"
+    b"Keep-Alive: timeout=5, max=100\r\nServer: llama.cpp\r\nTransfer-Encoding: chunked",
+    b"HTTP/1.1 200 \r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"x-request-id: abc\r\ntransfer-encoding: chunked",
+]
+
+
+def python_head(block: bytes) -> tuple[bytes, bool] | None:
+    """What the router's Python writes for an engine head block, where the pump may take it over:
+    a 200 with a chunked body; None where the pump must hand it back."""
+    from control.http1 import status_block
+    from control.router import CHUNKED, HOP_BY_HOP, UpstreamError, parse_response_head
+
+    try:
+        parsed = parse_response_head(block + b"\r\n\r\n")
+    except UpstreamError:
+        return None
+    assert parsed is not None
+    head, _ = parsed
+    if head.status != 200 or head.framing != CHUNKED:
+        return None
+    engine = [(k, v) for k, v in head.headers if k not in HOP_BY_HOP]
+    return status_block(head.status, engine, head.reason) + SUFFIX, head.keep_alive
+
+
+@pytest.mark.parametrize("block", ENGINE_HEADS)
+def test_the_pump_relays_the_engines_usual_heads_as_the_router_would(block: bytes) -> None:
+    native_pump()  # skips or fails where it is not built
+    from control import _pump
+
+    expected = python_head(block)
+    assert expected is not None
+    assert _pump.client_head(block, SUFFIX) == expected
+
+
+def head_variants(rng: random.Random) -> Iterator[bytes]:
+    """Engine heads near the usual ones: what the pump must either relay as the router would or
+    hand back."""
+    pieces = [
+        b"connection: close",
+        b"Connection: keep-alive",
+        b"connection: Keep-Alive, Upgrade",
+        b"content-length: 12",
+        b"Transfer-Encoding: gzip, chunked",
+        b"transfer-encoding: gzip",
+        b"  x-indented: 1",
+        b"x-empty:",
+        b"X-Spaced :  v  ",
+        b"x-tab:\tv\t",
+        b"no colon here",
+        b"x-nul: a\0b",
+        b"x-cr: a\rb",
+        b"x-lf: a\nb",
+        b"Upgrade: h2c",
+        b"TE: trailers",
+        b"Keep-Alive: timeout=5",
+        b"x-colon: a:b",
+        b"x-long: " + b"v" * 300,
+    ]
+    status = [
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 200",
+        b"HTTP/1.1 200 ",
+        b"HTTP/1.0 200 OK",
+        b"HTTP/1.1 503 Busy",
+        b"HTTP/1.1 0200 OK",
+        b"HTTP/1.1 2000 OK",
+        b"HTTP/1.1 204 No Content",
+        b"HTTP/1.1 100 Continue",
+        b"HTTP/1.1 200 All Good",
+        b"HTTP/2 200",
+    ]
+    for _ in range(400):
+        lines = [rng.choice(status)]
+        lines += rng.sample(pieces, rng.randrange(0, 4))
+        lines.insert(rng.randrange(1, len(lines) + 1), b"transfer-encoding: chunked")
+        yield b"\r\n".join(lines)
+
+
+def test_the_pump_relays_a_head_only_as_the_router_would_and_hands_back_the_rest() -> None:
+    native_pump()
+    from control import _pump
+
+    relayed = 0
+    for block in head_variants(random.Random(7)):
+        got = _pump.client_head(block, SUFFIX)
+        if got is not None:
+            relayed += 1
+            assert got == python_head(block), block
+    assert relayed > 50  # the sample keeps plenty of heads the pump takes over
+
+
+async def test_respond_relays_the_head_and_body_and_says_when_the_head_went_out(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+) -> None:
+    import time
+
+    engine, up, down, client = pairs
+    pump = native_pump()
+    await nursery.start(pump.run)
+    block = ENGINE_HEADS[0]
+    body = chunked(5, 20)
+    before = time.monotonic()
+    for i in range(0, len(block) + 4, 7):  # the head arrives in pieces
+        engine.send((block + b"\r\n\r\n")[i : i + 7])
+    engine.send(body)
+    with trio.fail_after(10):
+        answer = await pump.respond(up, down.fileno(), SUFFIX)
+    expected = python_head(block)
+    assert expected is not None
+    assert await read_until(client, b"0\r\n\r\n") == expected[0] + body
+    assert answer.handed_back is None and answer.reusable is True
+    assert before <= answer.sent_at <= time.monotonic()
+    assert pump.stats() == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("sent", "reusable"),
+    [(b"HTTP/1.1 200 OK\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n", False)],
+)
+async def test_an_engine_that_closes_after_the_response_is_not_reused(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], sent: bytes, reusable: bool
+) -> None:
+    engine, up, down, client = pairs
+    pump = native_pump()
+    await nursery.start(pump.run)
+    engine.send(sent + chunked(1, 5))
+    with trio.fail_after(10):
+        answer = await pump.respond(up, down.fileno(), SUFFIX)
+    assert answer.reusable is reusable
+    assert (await read_until(client, b"0\r\n\r\n")).endswith(chunked(1, 5))
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}",
+        b"HTTP/1.1 200 OK\r\nx-bad: a\rb\r\ntransfer-encoding: chunked\r\n\r\n5\r\n",
+    ],
+)
+async def test_other_heads_are_handed_back_with_what_came_and_nothing_sent(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], head: bytes
+) -> None:
+    engine, up, down, client = pairs
+    pump = native_pump()
+    await nursery.start(pump.run)
+    engine.send(head)
+    with trio.fail_after(10):
+        answer = await pump.respond(up, down.fileno(), SUFFIX)
+    assert answer.handed_back == head
+    with pytest.raises(BlockingIOError):
+        client.recv(1)
+    assert pump.stats() == (0, 0)
+
+
+@pytest.mark.parametrize(("sent", "got_bytes"), [(b"", False), (b"HTTP/1.1 200 OK\r\nserver: x", True)])
+async def test_an_engine_that_closes_before_its_head_fails_early(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], sent: bytes, got_bytes: bool
+) -> None:
+    engine, up, down, client = pairs
+    pump = native_pump()
+    await nursery.start(pump.run)
+    engine.send(sent)
+    engine.shutdown(socket.SHUT_WR)
+    with pytest.raises(relay_module.EngineFailedEarly) as failed, trio.fail_after(10):
+        await pump.respond(up, down.fileno(), SUFFIX)
+    assert failed.value.errno == 0 and failed.value.got_bytes is got_bytes
+    assert "before responding" in str(failed.value) or "mid response head" in str(failed.value)
+    with pytest.raises(BlockingIOError):
+        client.recv(1)
+
+
+async def test_cancelling_a_response_while_its_head_is_awaited_withdraws_it(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+) -> None:
+    engine, up, down, _client = pairs
+    pump = native_pump()
+    await nursery.start(pump.run)
+    engine.send(b"HTTP/1.1 200 OK\r\n")  # half a head: the job holds it
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(pump.respond, up, down.fileno(), SUFFIX)
+            await until("the job to start", lambda: pump.stats() == (1, 0))
+            scope.cancel()
+    assert pump.stats() == (0, 0)

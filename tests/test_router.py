@@ -832,20 +832,28 @@ async def test_api_keys(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -
 async def test_metrics_show_the_counters(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -> None:
     base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
 
+    elapsed = 0.0
+
     def calls() -> str:
+        nonlocal elapsed
         c = client(base)
+        started = time.monotonic()
         for _ in range(3):
             c.completions.create(model=MODEL, prompt="count me", max_tokens=1)
+        for _ in range(2):  # streamed: relayed from its head by the native pump's thread
+            assert list(c.completions.create(model=MODEL, prompt="count me", max_tokens=2, stream=True))
+        elapsed = time.monotonic() - started
         with pytest.raises(openai.NotFoundError):
             c.completions.create(model="missing", prompt="x")
         return metrics_of(base)
 
     text = await trio.to_thread.run_sync(calls)
     assert "# TYPE llmgw_router_requests_total counter" in text
-    assert sample(text, "llmgw_router_requests_total", model=MODEL, status="200") == 3
+    assert sample(text, "llmgw_router_requests_total", model=MODEL, status="200") == 5
     assert sample(text, "llmgw_router_requests_total", status="404") == 1
-    assert sample(text, "llmgw_router_time_to_first_byte_seconds_count", model=MODEL) == 3
-    assert sample(text, "llmgw_router_time_to_first_byte_seconds_bucket", model=MODEL, le="+Inf") == 3
+    assert sample(text, "llmgw_router_time_to_first_byte_seconds_count", model=MODEL) == 5
+    assert sample(text, "llmgw_router_time_to_first_byte_seconds_bucket", model=MODEL, le="+Inf") == 5
+    assert 0 < sample(text, "llmgw_router_time_to_first_byte_seconds_sum", model=MODEL) < elapsed
     assert "llmgw_router_in_flight{" in text
     assert sample(text, "llmgw_router_idle_connections") >= 1  # keep-alive pooling
 
