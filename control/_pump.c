@@ -102,6 +102,7 @@ typedef struct {
     int closed;
     int notified; /* the eventfd was written during the current batch */
     long coalesce_ns; /* after a wake-up, wait this long before looking again (see serve) */
+    unsigned long long wakeups, pauses, reads; /* for /metrics: reads per wake-up is what coalescing buys */
 } Pump;
 
 /* ---- the chunked-body scanner ------------------------------------------------------------- */
@@ -323,6 +324,7 @@ static void readable(Pump *p, job_t *j, char *buf) {
     do {
         r = recv(j->up_fd, buf, RECEIVE_SIZE, MSG_DONTWAIT);
     } while (r < 0 && errno == EINTR);
+    if (r > 0) p->reads++;
     if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         finish_errno(p, j, R_ENGINE, errno);
@@ -480,6 +482,7 @@ static void head_readable(Pump *p, job_t *j, char *buf) {
     do {
         r = recv(j->up_fd, buf, RECEIVE_SIZE, MSG_DONTWAIT);
     } while (r < 0 && errno == EINTR);
+    if (r > 0) p->reads++;
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (r <= 0) {
         int e = r < 0 ? errno : 0;
@@ -562,6 +565,7 @@ static void *serve(void *arg) {
         clock_gettime(CLOCK_MONOTONIC, &t1);
         long waited_ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
         pthread_mutex_lock(&p->mu);
+        p->wakeups++;
         size_t before = p->results_len;
         int stop = 0;
         p->notified = 0;
@@ -596,6 +600,9 @@ static void *serve(void *arg) {
          * wake-up per event (at concurrency 1 that was 68 us per event instead of 56). */
         if (p->coalesce_ns && n < MAX_EVENTS && (n > 1 || waited_ns < IDLE_PAUSES * p->coalesce_ns)) {
             struct timespec ts = {0, p->coalesce_ns};
+            pthread_mutex_lock(&p->mu);
+            p->pauses++;
+            pthread_mutex_unlock(&p->mu);
             nanosleep(&ts, NULL);
         }
     }
@@ -849,6 +856,13 @@ static PyObject *Pump_stats(Pump *p, PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue("(nn)", (Py_ssize_t)streams, (Py_ssize_t)blocked);
 }
 
+static PyObject *Pump_counters(Pump *p, PyObject *Py_UNUSED(ignored)) {
+    lock_from_python(p);
+    unsigned long long wakeups = p->wakeups, pauses = p->pauses, reads = p->reads;
+    pthread_mutex_unlock(&p->mu);
+    return Py_BuildValue("(KKK)", wakeups, pauses, reads);
+}
+
 static PyObject *Pump_close(Pump *p, PyObject *Py_UNUSED(ignored)) {
     return stop_thread(p);
 }
@@ -865,6 +879,8 @@ static PyMethodDef Pump_methods[] = {
     {"collect", (PyCFunction)Pump_collect, METH_NOARGS,
      "collect() -> [(up_fd, code, extra, message, data, errno, sent_at)] for the jobs that ended"},
     {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "stats() -> (streams, blocked on a slow client)"},
+    {"counters", (PyCFunction)Pump_counters, METH_NOARGS,
+     "counters() -> (wake-ups, coalescing pauses, engine reads that brought bytes), since the start"},
     {"close", (PyCFunction)Pump_close, METH_NOARGS, "close() -> up_fds of the jobs still running"},
     {NULL, NULL, 0, NULL},
 };

@@ -842,6 +842,23 @@ class Metrics:
             "is not read until the client drains).",
         )
         out.append(f"llmgw_router_streams_client_blocked {blocked}")
+        wakeups, pauses, reads = pump.counters()
+        family(
+            "llmgw_router_relay_wakeups_total",
+            "counter",
+            "Wake-ups of the relay pump; reads per wake-up is what its coalescing pause buys.",
+        )
+        out.append(f"llmgw_router_relay_wakeups_total {wakeups}")
+        family(
+            "llmgw_router_relay_pauses_total",
+            "counter",
+            "Coalescing pauses the relay pump took (a busy pump pauses after a wake-up; an idle one does not).",
+        )
+        out.append(f"llmgw_router_relay_pauses_total {pauses}")
+        family(
+            "llmgw_router_relay_reads_total", "counter", "Engine socket reads that brought response bytes."
+        )
+        out.append(f"llmgw_router_relay_reads_total {reads}")
         return ("\n".join(out) + "\n").encode()
 
 

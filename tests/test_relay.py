@@ -548,3 +548,46 @@ async def test_cancelling_a_response_while_its_head_is_awaited_withdraws_it(
             await until("the job to start", lambda: pump.stats() == (1, 0))
             scope.cancel()
     assert pump.stats() == (0, 0)
+
+
+async def test_a_busy_pump_pauses_and_an_idle_one_does_not(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+) -> None:
+    """The coalescing pause: after a wake-up that served one event following a long wait (more
+    than four pauses), the pump is idle and does not pause; an event that comes sooner finds it
+    busy, and a pause follows."""
+    engine, up, down, client = pairs
+    native_pump()  # skips or fails where it is not built
+    pump = relay_module.NativeRelayPump(coalesce_us=20_000)
+    await nursery.start(pump.run)
+    event = chunked(1, 10)[:-5]  # one event, not the body's end
+    nursery.start_soon(pump.relay, up, down.fileno(), ChunkedScanner())
+    await until("the job to start", lambda: pump.stats() == (1, 0))
+    for n in range(1, 4):
+        await trio.sleep(0.2)  # pacing, not a wait for an event: the engine is quiet for ten pauses
+        engine.send(event)
+        assert await read_until(client, event) == event
+        await until(f"wake-up {n} to be counted", lambda n=n: pump.counters()[0] >= n)
+    wakeups, pauses, reads = pump.counters()
+    assert (pauses, reads) == (0, 3), (wakeups, pauses, reads)
+
+    # Two events in quick succession: each comes well within four pauses (80 ms) of the last.
+    engine.send(event)
+    assert await read_until(client, event) == event
+    engine.send(event)
+    assert await read_until(client, event) == event
+    await until("a pause", lambda: pump.counters()[1] >= 1)
+    assert pump.counters()[2] == 5
+    engine.send(b"0\r\n\r\n")
+    await until("the job to end", lambda: pump.stats() == (0, 0))
+
+
+async def test_the_relay_counters_reach_metrics(nursery: trio.Nursery, relay_kind: str) -> None:
+    from control.router import Router
+
+    router = Router(dict)
+    await nursery.start(router.pump.run)
+    text = router.metrics.exposition(router.balancer, router.pool, router.pump, 0.0).decode()
+    for name in ("wakeups", "pauses", "reads"):
+        assert f"# TYPE llmgw_router_relay_{name}_total counter" in text
+        assert f"llmgw_router_relay_{name}_total 0" in text
