@@ -9,6 +9,7 @@ router runs in the test's trio loop (``nursery.start(router.serve, ...)``) and t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -712,6 +713,71 @@ async def test_an_engine_restarted_on_its_port_costs_no_request(
         assert sample(metrics, "llmgw_router_upstream_errors_total") == 0
     finally:
         stop_engines([second])
+
+
+async def hanging_up_engine(nursery: trio.Nursery, *, reset: bool) -> tuple[str, list[int]]:
+    """An engine written here: it streams a chunked SSE answer to each request, except that on
+    its first connection it hangs up on the second request without answering (closing, or
+    resetting with ``reset``), as an engine closing an idle keep-alive connection just as a
+    request arrives does. Returns its URL and the requests answered per connection."""
+    answered: list[int] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        index = len(answered)
+        answered.append(0)
+        buf = b""
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            match = re.search(rb"content-length: *(\d+)", head, re.I)
+            length = int(match.group(1)) if match else 0
+            while len(buf) < length:
+                buf += await stream.receive_some(65536)
+            buf = buf[length:]
+            if index == 0 and answered[0] == 1:
+                if reset:
+                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+                await stream.aclose()
+                return
+            events = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (b"data: one\n\n", b"data: [DONE]\n\n"))
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                + events
+                + b"0\r\n\r\n"
+            )
+            answered[index] += 1
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}", answered
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+async def test_a_pooled_connection_the_engine_drops_unanswered_is_redone_unseen(
+    nursery: trio.Nursery, relay_kind: str, reset: bool
+) -> None:
+    """A request sent on a pooled connection that the engine then closes (or resets) without a
+    byte of answer is sent again on a new connection: the client sees nothing of it, and no
+    upstream error is counted. With the native pump the failure is seen by its thread, before
+    the head (relay.EngineFailedEarly)."""
+    url, answered = await hanging_up_engine(nursery, reset=reset)
+    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", url),))})))
+
+    def ask() -> httpx.Response:
+        doc = {"model": MODEL, "prompt": "again", "max_tokens": 1, "stream": True}
+        return httpx.post(f"{base}/v1/completions", json=doc, timeout=10)
+
+    for _ in range(2):
+        response = await trio.to_thread.run_sync(ask)
+        assert response.status_code == 200
+        assert response.text == "data: one\n\ndata: [DONE]\n\n"
+    assert answered == [1, 1]  # the second request was redone on a second connection
+    metrics = await trio.to_thread.run_sync(metrics_of, base)
+    assert sample(metrics, "llmgw_router_upstream_errors_total") == 0
 
 
 async def test_least_outstanding_spreads_concurrent_requests(
