@@ -22,8 +22,8 @@
  *    are about to be sent), which trio waits on.
  *  - close() stops the thread and returns the up_fds of the jobs still running.
  *  - Pump(coalesce_us) sets the pause after each wake-up (see serve).
- * One mutex guards everything shared; the thread holds it while it serves one batch of epoll
- * events and never blocks while holding it (every socket call is non-blocking). Jobs live in a
+ * One mutex guards everything shared; the thread holds it while it serves one epoll event and
+ * never blocks while holding it (every socket call is non-blocking). Jobs live in a
  * table indexed by up_fd, and epoll events carry the up_fd rather than a pointer, so an event for
  * a job that was withdrawn meanwhile finds an empty slot (or, with the descriptor reused, a job
  * for which the event is spurious: a recv or send that would block, which is handled).
@@ -100,7 +100,7 @@ typedef struct {
     result_t *results;
     size_t results_len, results_cap;
     int closed;
-    int notified; /* the eventfd was written during the current batch */
+    int signalled; /* the eventfd was written since collect() last took the results */
     long coalesce_ns; /* after a wake-up, wait this long before looking again (see serve) */
     unsigned long long wakeups, pauses, reads; /* for /metrics: reads per wake-up is what coalescing buys */
 } Pump;
@@ -316,7 +316,7 @@ static void notify(Pump *p) {
     uint64_t one = 1;
     ssize_t w = write(p->notify_fd, &one, sizeof one);
     (void)w;
-    p->notified = 1;
+    p->signalled = 1;
 }
 
 static void readable(Pump *p, job_t *j, char *buf) {
@@ -564,11 +564,9 @@ static void *serve(void *arg) {
         }
         clock_gettime(CLOCK_MONOTONIC, &t1);
         long waited_ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
-        pthread_mutex_lock(&p->mu);
-        p->wakeups++;
-        size_t before = p->results_len;
         int stop = 0;
-        p->notified = 0;
+        /* The lock is taken per event, not per batch: the router's task adding a job waits for
+         * one event's recv and send at most, not for a whole batch (hundreds of microseconds). */
         for (int k = 0; k < n; k++) {
             uint64_t d = evs[k].data.u64;
             if (d == STOP_TOKEN) {
@@ -576,15 +574,20 @@ static void *serve(void *arg) {
                 continue;
             }
             int fd = (int)(d & 0xffffffffu);
+            pthread_mutex_lock(&p->mu);
             job_t *j = (size_t)fd < p->jobs_cap ? p->jobs[fd] : NULL;
-            if (!j) continue; /* withdrawn after epoll_wait returned */
-            int for_client = (d & CLIENT_BIT) != 0;
-            if (for_client != j->on_client) continue; /* stale: the job changed sides meanwhile */
-            if (for_client) writable(p, j);
-            else if (j->in_head) head_readable(p, j, buf);
-            else readable(p, j, buf);
+            /* Skipped: withdrawn after epoll_wait returned, or stale (the job changed sides). */
+            if (j && ((d & CLIENT_BIT) != 0) == (j->on_client != 0)) {
+                if (j->on_client) writable(p, j);
+                else if (j->in_head) head_readable(p, j, buf);
+                else readable(p, j, buf);
+            }
+            pthread_mutex_unlock(&p->mu);
         }
-        if (before == 0 && p->results_len > 0 && !p->notified) notify(p);
+        pthread_mutex_lock(&p->mu);
+        p->wakeups++;
+        /* One wake-up of trio for the results of this batch, unless one is on its way. */
+        if (p->results_len > 0 && !p->signalled) notify(p);
         pthread_mutex_unlock(&p->mu);
         if (stop) break;
         /* Coalescing. Engines emit in steps: one decode step writes a token to every stream in
@@ -612,8 +615,8 @@ static void *serve(void *arg) {
 
 /* ---- the Python type ------------------------------------------------------------------------ */
 
-/* Takes p->mu from a Python call. The thread may hold it for a whole batch of events, so wait
- * for it without the GIL when it is taken, rather than stall every other Python thread. */
+/* Takes p->mu from a Python call. The thread holds it while it serves one event, so wait for it
+ * without the GIL when it is taken, rather than stall every other Python thread. */
 static void lock_from_python(Pump *p) {
     if (pthread_mutex_trylock(&p->mu) == 0) return;
     Py_BEGIN_ALLOW_THREADS
@@ -831,6 +834,9 @@ static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
             p->results_len = 0;
         }
     }
+    /* The eventfd was read above and the queue is taken: results pushed from now on need a new
+     * signal (also when there was nothing to take, after a withdraw dropped a signalled result). */
+    if (!n || taken) p->signalled = 0;
     pthread_mutex_unlock(&p->mu);
     if (n && !taken) return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
