@@ -18,7 +18,9 @@ themselves: the client side is ``control.http1`` (httptools, that is llhttp in C
 responses are framed there), and the engine side is a small HTTP/1.1 client on plain non-blocking
 sockets with a keep-alive pool (``_Pool``). An ASGI stack and httpx add several task switches and
 copies per chunk; on two cores that is the difference between tens and hundreds of microseconds of
-CPU per relayed chunk.
+CPU per relayed chunk. The chunks themselves, and with the native pump the usual response head
+before them (HTTP/1.1 200, chunked), are moved by the relay pump (``control.relay``), so a streamed
+request wakes its task once, when its body has ended (``_respond_whole``).
 
 Choosing a replica (``Balancer``). Least outstanding requests, with prefix affinity: the first
 ``affinity_chars`` characters of the prompt (chat messages concatenated, or ``prompt``, or ``input``)
