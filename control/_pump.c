@@ -15,7 +15,8 @@
  *    add's; any other head ends the job with HEAD and the bytes read, nothing sent; an engine
  *    that fails before its head is complete ends it with EARLY (errno, whether bytes came).
  *  - withdraw(up_fd) takes a job back (its task was cancelled); it also drops a result that was
- *    queued for that job and not yet collected, so a reused descriptor never sees a stale one.
+ *    queued for that job and not yet collected, so a reused descriptor never sees a stale one,
+ *    and returns when the job's response head went out (0.0: it had not).
  *  - collect() returns the jobs that ended, as (up_fd, code, extra, message, data, errno,
  *    sent_at), sent_at being when a response job's head went out; the thread signals
  *    an eventfd (notify_fd) when the queue turns non-empty (or, early, when a body's last bytes
@@ -804,20 +805,24 @@ static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
     long value = PyLong_AsLong(arg);
     if (value == -1 && PyErr_Occurred()) return NULL;
     int up_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
-    int found = 0;
+    double sent_at = 0;
     lock_from_python(p);
     if (up_fd >= 0 && (size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) {
+        sent_at = p->jobs[up_fd]->sent_at;
         drop(p, p->jobs[up_fd]);
-        found = 1;
     }
     size_t k = 0;
     for (size_t i = 0; i < p->results_len; i++) {
-        if (p->results[i].up_fd != up_fd) p->results[k++] = p->results[i];
-        else free(p->results[i].data);
+        if (p->results[i].up_fd != up_fd) {
+            p->results[k++] = p->results[i];
+            continue;
+        }
+        if (p->results[i].sent_at > sent_at) sent_at = p->results[i].sent_at;
+        free(p->results[i].data);
     }
     p->results_len = k;
     pthread_mutex_unlock(&p->mu);
-    return PyBool_FromLong(found);
+    return PyFloat_FromDouble(sent_at);
 }
 
 static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
@@ -881,7 +886,8 @@ static PyMethodDef Pump_methods[] = {
     {"respond", (PyCFunction)Pump_respond, METH_VARARGS,
      "respond(up_fd, client_fd, suffix): relay a response from its head (or hand the head back)"},
     {"withdraw", (PyCFunction)Pump_withdraw, METH_O,
-     "withdraw(up_fd) -> whether the job was still running; drops its uncollected result"},
+     "withdraw(up_fd) -> when the job's response head went out (0.0: it had not, or no job); "
+     "drops its uncollected result"},
     {"collect", (PyCFunction)Pump_collect, METH_NOARGS,
      "collect() -> [(up_fd, code, extra, message, data, errno, sent_at)] for the jobs that ended"},
     {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "stats() -> (streams, blocked on a slow client)"},

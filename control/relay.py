@@ -144,12 +144,11 @@ class Response:
     """How ``NativeRelayPump.respond`` ended. ``handed_back``: the engine's head was not the
     common case the pump relays itself (see ``_pump.c``, ``client_head``), and these bytes are
     what arrived so far, for the router to read on from; the client has been sent nothing.
-    Otherwise the whole response went to the client: ``reusable`` says whether the engine's
-    connection can carry another request, ``sent_at`` when the head went out (``time.monotonic``)."""
+    Otherwise the whole response went to the client, and ``reusable`` says whether the engine's
+    connection can carry another request."""
 
     handed_back: bytes | None
     reusable: bool = False
-    sent_at: float = 0.0
 
 
 class _Job:
@@ -220,7 +219,9 @@ class NativeRelayPump:
             raise (EngineClosed if code == _pump.ENGINE else ClientGone)(message)
         return not extra
 
-    async def respond(self, up: socket.socket, client_fd: int, suffix: bytes) -> Response:
+    async def respond(
+        self, up: socket.socket, client_fd: int, suffix: bytes, on_head: Callable[[float], None]
+    ) -> Response:
         """Relay a whole response from its head: the engine's head, rewritten for the client
         with ``suffix`` (the router's own headers and the blank line) appended, then the body,
         all from the pump's thread, when the head is HTTP/1.1 200 with a chunked body; any other
@@ -228,28 +229,36 @@ class NativeRelayPump:
         ``EngineFailedEarly`` when the engine fails before its head is complete, then as
         ``relay``. The router's own code then runs once per streamed request, not twice: no
         wake-up of its task for the head, and the first token goes out with it when it came
-        along."""
+        along. ``on_head(sent_at)`` (``time.monotonic`` seconds) is called once if the head went
+        out, however the response ends: completed, failed, or cancelled (the client left)."""
         native = self._native
         if native is None:
             raise RelayClosed("the relay pump is not running")
         up_fd = up.fileno()
         native.respond(up_fd, client_fd, suffix)
-        code, extra, message, data, errno, sent_at = await self._wait(native, up_fd)
+        code, extra, message, data, errno, sent_at = await self._wait(native, up_fd, on_head)
+        if sent_at:
+            on_head(sent_at)
         if code == _pump.DONE:
-            return Response(None, not extra, sent_at)
+            return Response(None, not extra)
         if code == _pump.HEAD:
             return Response(data)
         if code == _pump.EARLY:
             raise EngineFailedEarly(message, errno, extra)
         raise (EngineClosed if code == _pump.ENGINE else ClientGone)(message)
 
-    async def _wait(self, native: _pump.Pump, up_fd: int) -> tuple[int, bool, str, bytes | None, int, float]:
-        """Park the calling task until the thread reports on ``up_fd``'s job."""
+    async def _wait(
+        self, native: _pump.Pump, up_fd: int, on_head: Callable[[float], None] | None = None
+    ) -> tuple[int, bool, str, bytes | None, int, float]:
+        """Park the calling task until the thread reports on ``up_fd``'s job; when the task is
+        cancelled instead, ``on_head`` learns when the job's head went out, if it did."""
         self._parked[up_fd] = trio.lowlevel.current_task()
 
         def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
             self._parked.pop(up_fd, None)
-            native.withdraw(up_fd)  # also drops a result the thread queued meanwhile
+            sent_at = native.withdraw(up_fd)  # also drops a result the thread queued meanwhile
+            if sent_at and on_head is not None:
+                on_head(sent_at)
             return trio.lowlevel.Abort.SUCCEEDED
 
         result: tuple[

@@ -1291,8 +1291,13 @@ class Router:
             close=not ex.request.keep_alive,
         )
         pump = cast(NativeRelayPump, self.pump)
+
+        def head_out(sent_at: float) -> None:
+            ex.head_sent = ex.ttfb_done = True
+            self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - sent_at))
+
         try:
-            answer = await pump.respond(conn.sock, ex.fd, suffix)
+            answer = await pump.respond(conn.sock, ex.fd, suffix, head_out)
         except EngineClosed as exc:  # after the head, or a malformed first chunk with it
             self.balancer.succeeded(upstream)
             self.metrics.upstream_error(upstream, "mid_stream")
@@ -1305,9 +1310,7 @@ class Router:
             return None
         self.balancer.succeeded(upstream)
         ex.status = 200
-        ex.head_sent = True
         ex.complete = ex.request.keep_alive
-        self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - answer.sent_at))
         return answer.reusable
 
     async def _read_head(self, conn: _UpstreamConn, buf: bytes = b"") -> tuple[ResponseHead, bytes]:

@@ -465,16 +465,17 @@ async def test_respond_relays_the_head_and_body_and_says_when_the_head_went_out(
     block = ENGINE_HEADS[0]
     body = chunked(5, 20)
     before = time.monotonic()
+    heads: list[float] = []
     for i in range(0, len(block) + 4, 7):  # the head arrives in pieces
         engine.send((block + b"\r\n\r\n")[i : i + 7])
     engine.send(body)
     with trio.fail_after(10):
-        answer = await pump.respond(up, down.fileno(), SUFFIX)
+        answer = await pump.respond(up, down.fileno(), SUFFIX, heads.append)
     expected = python_head(block)
     assert expected is not None
     assert await read_until(client, b"0\r\n\r\n") == expected[0] + body
     assert answer.handed_back is None and answer.reusable is True
-    assert before <= answer.sent_at <= time.monotonic()
+    assert len(heads) == 1 and before <= heads[0] <= time.monotonic()
     assert pump.stats() == (0, 0)
 
 
@@ -490,7 +491,7 @@ async def test_an_engine_that_closes_after_the_response_is_not_reused(
     await nursery.start(pump.run)
     engine.send(sent + chunked(1, 5))
     with trio.fail_after(10):
-        answer = await pump.respond(up, down.fileno(), SUFFIX)
+        answer = await pump.respond(up, down.fileno(), SUFFIX, lambda _: None)
     assert answer.reusable is reusable
     assert (await read_until(client, b"0\r\n\r\n")).endswith(chunked(1, 5))
 
@@ -510,9 +511,10 @@ async def test_other_heads_are_handed_back_with_what_came_and_nothing_sent(
     pump = native_pump()
     await nursery.start(pump.run)
     engine.send(head)
+    heads: list[float] = []
     with trio.fail_after(10):
-        answer = await pump.respond(up, down.fileno(), SUFFIX)
-    assert answer.handed_back == head
+        answer = await pump.respond(up, down.fileno(), SUFFIX, heads.append)
+    assert answer.handed_back == head and heads == []
     with pytest.raises(BlockingIOError):
         client.recv(1)
     assert pump.stats() == (0, 0)
@@ -527,27 +529,38 @@ async def test_an_engine_that_closes_before_its_head_fails_early(
     await nursery.start(pump.run)
     engine.send(sent)
     engine.shutdown(socket.SHUT_WR)
+    heads: list[float] = []
     with pytest.raises(relay_module.EngineFailedEarly) as failed, trio.fail_after(10):
-        await pump.respond(up, down.fileno(), SUFFIX)
+        await pump.respond(up, down.fileno(), SUFFIX, heads.append)
+    assert heads == []
     assert failed.value.errno == 0 and failed.value.got_bytes is got_bytes
     assert "before responding" in str(failed.value) or "mid response head" in str(failed.value)
     with pytest.raises(BlockingIOError):
         client.recv(1)
 
 
-async def test_cancelling_a_response_while_its_head_is_awaited_withdraws_it(
-    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
+@pytest.mark.parametrize("head_sent", [False, True], ids=["before-the-head", "mid-body"])
+async def test_cancelling_a_response_withdraws_it_and_says_whether_its_head_went_out(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], head_sent: bool
 ) -> None:
-    engine, up, down, _client = pairs
+    """The client leaving cancels the response's task: the job is withdrawn, and the router still
+    learns when the head went out (for its time-to-first-byte histogram) if it did."""
+    engine, up, down, client = pairs
     pump = native_pump()
     await nursery.start(pump.run)
-    engine.send(b"HTTP/1.1 200 OK\r\n")  # half a head: the job holds it
+    heads: list[float] = []
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as inner:
-            inner.start_soon(pump.respond, up, down.fileno(), SUFFIX)
+            inner.start_soon(pump.respond, up, down.fileno(), SUFFIX, heads.append)
             await until("the job to start", lambda: pump.stats() == (1, 0))
+            if head_sent:
+                engine.send(ENGINE_HEADS[0] + b"\r\n\r\n" + chunked(1, 5)[:-5])  # a head, one event
+                await read_until(client, b"data: xxxxx\n\n\r\n")
+            else:
+                engine.send(b"HTTP/1.1 200 OK\r\n")  # half a head: the job holds it
             scope.cancel()
     assert pump.stats() == (0, 0)
+    assert len(heads) == (1 if head_sent else 0)
 
 
 async def test_a_busy_pump_pauses_and_an_idle_one_does_not(

@@ -302,6 +302,8 @@ async def test_client_disconnect_cancels_the_engine_request(
     text = await trio.to_thread.run_sync(metrics_of, base)
     assert sample(text, "llmgw_router_client_disconnects_total", model=MODEL) == 1
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
+    # The client had its first byte before it left: that counts for the histogram.
+    assert sample(text, "llmgw_router_time_to_first_byte_seconds_count", model=MODEL) == 1
 
 
 async def test_client_hanging_up_before_the_first_byte_cancels_the_engine_request(
@@ -906,8 +908,11 @@ async def test_metrics_show_the_counters(nursery: trio.Nursery, engines: tuple[E
         started = time.monotonic()
         for _ in range(3):
             c.completions.create(model=MODEL, prompt="count me", max_tokens=1)
-        for _ in range(2):  # streamed: relayed from its head by the native pump's thread
-            assert list(c.completions.create(model=MODEL, prompt="count me", max_tokens=2, stream=True))
+        with httpx.Client(base_url=base, timeout=30) as h:  # streamed, read to the end of the body
+            for _ in range(2):  # relayed from its head on by the native pump's thread
+                doc = {"model": MODEL, "prompt": "count me", "max_tokens": 2, "stream": True}
+                r = h.post("/v1/completions", json=doc)
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         elapsed = time.monotonic() - started
         with pytest.raises(openai.NotFoundError):
             c.completions.create(model="missing", prompt="x")
