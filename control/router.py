@@ -96,6 +96,7 @@ from control.relay import (
     NativeRelayPump,
     Pump,
     RelayClosed,
+    Response,
     make_pump,
 )
 
@@ -882,8 +883,6 @@ class _Exchange:
     head_sent: bool = False
     #: The response went out whole, framed so that the connection can carry another.
     complete: bool = False
-    #: What the relay pump read of an engine head it did not relay itself (see _respond_whole).
-    handed_back: bytes = b""
 
     @property
     def fd(self) -> int:
@@ -1228,13 +1227,13 @@ class Router:
                         conn = await self.pool.connect(upstream.url)
                     await conn.send_all(request)
                     if whole:
-                        reusable = await self._respond_whole(ex, conn, upstream)
-                        if reusable is not None:
-                            if reusable:
+                        answer = await self._respond_whole(ex, conn, upstream)
+                        if answer.handed_back is None:
+                            if answer.reusable:
                                 self.pool.release(conn, self.clock())
                                 conn = None
                             return None
-                        buf = ex.handed_back
+                        buf = answer.handed_back
                     if self.response_timeout is None:
                         head, buf = await self._read_head(conn, buf)
                     else:
@@ -1278,14 +1277,13 @@ class Router:
             )
         return text
 
-    async def _respond_whole(self, ex: _Exchange, conn: _UpstreamConn, upstream: Upstream) -> bool | None:
+    async def _respond_whole(self, ex: _Exchange, conn: _UpstreamConn, upstream: Upstream) -> Response:
         """The usual streamed response, all of it relayed by the native pump's thread from the
         engine's head on (``NativeRelayPump.respond``): this task is woken once per request,
-        when the body has ended, instead of once more for the head. Returns whether the
-        engine's connection is reusable, or None when the pump handed the head back (in
-        ``ex.handed_back``) for ``_read_head`` and ``_relay`` to take from there; raises
-        ``EngineFailedEarly`` when the engine failed before its head (another replica may be
-        tried)."""
+        when the body has ended, instead of once more for the head. The answer says whether the
+        engine's connection is reusable, or holds the head the pump handed back for ``_read_head``
+        and ``_relay`` to take from there; raises ``EngineFailedEarly`` when the engine failed
+        before its head (another replica may be tried)."""
         suffix = end_of_head(
             ((b"x-llmgw-replica", upstream.replica_id.encode()), (b"transfer-encoding", b"chunked")),
             close=not ex.request.keep_alive,
@@ -1305,13 +1303,11 @@ class Router:
             raise _UpstreamBroken(str(exc)) from None
         except (ClientGone, RelayClosed) as exc:
             raise _ClientGone(str(exc)) from None
-        if answer.handed_back is not None:
-            ex.handed_back = answer.handed_back
-            return None
-        self.balancer.succeeded(upstream)
-        ex.status = 200
-        ex.complete = ex.request.keep_alive
-        return answer.reusable
+        if answer.handed_back is None:
+            self.balancer.succeeded(upstream)
+            ex.status = 200
+            ex.complete = ex.request.keep_alive
+        return answer
 
     async def _read_head(self, conn: _UpstreamConn, buf: bytes = b"") -> tuple[ResponseHead, bytes]:
         """The engine's response head (after any 1xx heads), and the body bytes that came with
