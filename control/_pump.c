@@ -14,9 +14,11 @@
  *    the router's suffix) and sent with the body bytes that came with it, and the job goes on as
  *    add's; any other head ends the job with HEAD and the bytes read, nothing sent; an engine
  *    that fails before its head is complete ends it with EARLY (errno, whether bytes came).
- *  - withdraw(up_fd) takes a job back (its task was cancelled); it also drops a result that was
- *    queued for that job and not yet collected, so a reused descriptor never sees a stale one,
- *    and returns when the job's response head went out (0.0: it had not).
+ *  - withdraw(up_fd) takes a job back (its task was cancelled) and returns when the job's
+ *    response head went out (0.0: it had not). A job that had already ended has its result
+ *    queued and not yet collected: withdraw takes it out of the queue (so a reused descriptor
+ *    never sees a stale one) and returns it too, since what the job did stands (a response
+ *    sent whole is not undone by the client leaving just after).
  *  - collect() returns the jobs that ended, as (up_fd, code, extra, message, data, errno,
  *    sent_at), sent_at being when a response job's head went out; the thread signals
  *    an eventfd (notify_fd) when the queue turns non-empty (or, early, when a body's last bytes
@@ -801,11 +803,22 @@ static PyObject *Pump_respond(Pump *p, PyObject *args) {
     return start_job(p, j);
 }
 
+/* A result as collect() and withdraw() hand it to Python (steals nothing; r->data stays owned). */
+static PyObject *result_tuple(const result_t *r) {
+    PyObject *data = r->data ? PyBytes_FromStringAndSize(r->data, (Py_ssize_t)r->data_len) : Py_NewRef(Py_None);
+    if (!data) return NULL;
+    return Py_BuildValue("(iiONNid)", r->up_fd, r->code, r->extra ? Py_True : Py_False,
+                         PyUnicode_DecodeUTF8(r->message, (Py_ssize_t)strlen(r->message), "replace"), data,
+                         r->err, r->sent_at);
+}
+
 static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
     long value = PyLong_AsLong(arg);
     if (value == -1 && PyErr_Occurred()) return NULL;
     int up_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
     double sent_at = 0;
+    result_t ended;
+    int found = 0;
     lock_from_python(p);
     if (up_fd >= 0 && (size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) {
         sent_at = p->jobs[up_fd]->sent_at;
@@ -817,12 +830,20 @@ static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
             p->results[k++] = p->results[i];
             continue;
         }
-        if (p->results[i].sent_at > sent_at) sent_at = p->results[i].sent_at;
-        free(p->results[i].data);
+        if (!found) {
+            ended = p->results[i];
+            found = 1;
+        } else {
+            free(p->results[i].data);
+        }
     }
     p->results_len = k;
     pthread_mutex_unlock(&p->mu);
-    return PyFloat_FromDouble(sent_at);
+    if (!found) return Py_BuildValue("(dO)", sent_at, Py_None);
+    PyObject *t = result_tuple(&ended);
+    free(ended.data);
+    if (!t) return NULL;
+    return Py_BuildValue("(dN)", ended.sent_at, t);
 }
 
 static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
@@ -846,12 +867,7 @@ static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
     if (n && !taken) return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
-        result_t *r = &taken[i];
-        PyObject *data = r->data ? PyBytes_FromStringAndSize(r->data, (Py_ssize_t)r->data_len) : Py_NewRef(Py_None);
-        PyObject *t = data ? Py_BuildValue(
-            "(iiONNid)", r->up_fd, r->code, r->extra ? Py_True : Py_False,
-            PyUnicode_DecodeUTF8(r->message, (Py_ssize_t)strlen(r->message), "replace"), data, r->err,
-            r->sent_at) : NULL;
+        PyObject *t = result_tuple(&taken[i]);
         if (!t) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
     }
@@ -886,8 +902,8 @@ static PyMethodDef Pump_methods[] = {
     {"respond", (PyCFunction)Pump_respond, METH_VARARGS,
      "respond(up_fd, client_fd, suffix): relay a response from its head (or hand the head back)"},
     {"withdraw", (PyCFunction)Pump_withdraw, METH_O,
-     "withdraw(up_fd) -> when the job's response head went out (0.0: it had not, or no job); "
-     "drops its uncollected result"},
+     "withdraw(up_fd) -> (when the job's response head went out (0.0: it had not, or no job), "
+     "its result if it had ended and the result was not collected yet, else None)"},
     {"collect", (PyCFunction)Pump_collect, METH_NOARGS,
      "collect() -> [(up_fd, code, extra, message, data, errno, sent_at)] for the jobs that ended"},
     {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "stats() -> (streams, blocked on a slow client)"},

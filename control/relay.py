@@ -251,12 +251,22 @@ class NativeRelayPump:
         self, native: _pump.Pump, up_fd: int, on_head: Callable[[float], None] | None = None
     ) -> tuple[int, bool, str, bytes | None, int, float]:
         """Park the calling task until the thread reports on ``up_fd``'s job; when the task is
-        cancelled instead, ``on_head`` learns when the job's head went out, if it did."""
-        self._parked[up_fd] = trio.lowlevel.current_task()
+        cancelled instead, ``on_head`` learns when the job's head went out, if it did.
+
+        A job that ended before the cancellation came, its result not collected yet, returns
+        that result: the cancellation is not lost (it is raised at the task's next checkpoint),
+        but what the job did stands. A client that reads a response's last byte and hangs up at
+        once is the usual case: its response was sent whole, and must be counted so, not as a
+        client that left."""
+        task = trio.lowlevel.current_task()
+        self._parked[up_fd] = task
 
         def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
             self._parked.pop(up_fd, None)
-            sent_at = native.withdraw(up_fd)  # also drops a result the thread queued meanwhile
+            sent_at, ended = native.withdraw(up_fd)
+            if ended is not None:
+                trio.lowlevel.reschedule(task, outcome.Value(ended))
+                return trio.lowlevel.Abort.FAILED
             if sent_at and on_head is not None:
                 on_head(sent_at)
             return trio.lowlevel.Abort.SUCCEEDED

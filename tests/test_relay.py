@@ -563,6 +563,64 @@ async def test_cancelling_a_response_withdraws_it_and_says_whether_its_head_went
     assert len(heads) == (1 if head_sent else 0)
 
 
+def read_blocking(sock: socket.socket, end: bytes) -> bytes:
+    """Read up to ``end`` without yielding to trio: its loop (and so the pump's collector task)
+    stays where it is meanwhile. A blocking read with a timeout bounds the wait."""
+    sock.settimeout(10)
+    got = b""
+    try:
+        while not got.endswith(end):
+            data = sock.recv(1 << 16)
+            assert data, "closed before the end"
+            got += data
+    finally:
+        sock.setblocking(False)
+    return got
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["respond", "relay"])
+async def test_a_job_that_ended_stands_when_its_task_is_cancelled_before_collecting_it(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], whole: bool
+) -> None:
+    """A client that reads a response's last byte and hangs up at once: its hang-up cancels the
+    response's task after the pump's thread sent the end, before trio collected the job's
+    result. The response went out whole and must end as such (the router counts it answered,
+    not a client that left); the cancellation is raised at the task's next checkpoint."""
+    engine, up, down, client = pairs
+    pump = native_pump()
+    await nursery.start(pump.run)
+    heads: list[float] = []
+    answers: list[object] = []
+    after = False
+
+    async def respond() -> None:
+        nonlocal after
+        if whole:
+            answers.append(await pump.respond(up, down.fileno(), SUFFIX, heads.append))
+        else:
+            answers.append(await pump.relay(up, down.fileno(), ChunkedScanner()))
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled:
+            after = True
+            raise
+
+    body = chunked(3, 5)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(respond)
+            await until("the job to start", lambda: pump.stats() == (1, 0))
+            engine.send((ENGINE_HEADS[0] + b"\r\n\r\n" if whole else b"") + body)
+            assert read_blocking(client, b"0\r\n\r\n").endswith(body)
+            assert pump.stats() == (0, 0)  # the job ended in the thread; trio has not run since
+            scope.cancel()
+    if whole:
+        assert answers == [relay_module.Response(None, True)] and len(heads) == 1
+    else:
+        assert answers == [True]
+    assert after, "the cancellation was lost"
+
+
 async def test_a_busy_pump_pauses_and_an_idle_one_does_not(
     nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
 ) -> None:
