@@ -183,6 +183,17 @@ def sample(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def metrics_once(base: str, name: str, at_least: float, **labels: str) -> str:
+    """/metrics once ``name`` has reached ``at_least``. A request's counters follow its last byte,
+    which the client may have read first, so a check right after a response must wait for them."""
+
+    def reached() -> str | None:
+        text = metrics_of(base)
+        return text if sample(text, name, **labels) >= at_least else None
+
+    return poll(f"{name}{labels} >= {at_least:g} in /metrics", reached)
+
+
 def sample_plain(text: str, name: str) -> float:
     """The value of a sample without labels."""
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
@@ -299,7 +310,10 @@ async def test_client_disconnect_cancels_the_engine_request(
         assert trio.current_time() < deadline, "the engine never saw the client's disconnect"
         await trio.sleep(0.02)  # poll interval; the deadline above bounds the wait
     assert now == before + 1
-    text = await trio.to_thread.run_sync(metrics_of, base)
+    # Closing the engine's connection comes first; the disconnect is counted just after.
+    text = await trio.to_thread.run_sync(
+        functools.partial(metrics_once, base, "llmgw_router_client_disconnects_total", 1, model=MODEL)
+    )
     assert sample(text, "llmgw_router_client_disconnects_total", model=MODEL) == 1
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
     # The client had its first byte before it left: that counts for the histogram.
@@ -330,7 +344,9 @@ async def test_client_hanging_up_before_the_first_byte_cancels_the_engine_reques
         assert trio.current_time() < deadline, "the engine never saw the client hang up"
         await trio.sleep(0.02)  # poll interval; the deadline above bounds the wait
     assert now == before + 1
-    text = await trio.to_thread.run_sync(metrics_of, base)
+    text = await trio.to_thread.run_sync(
+        functools.partial(metrics_once, base, "llmgw_router_requests_total", 1, model=MODEL, status="499")
+    )
     assert sample(text, "llmgw_router_requests_total", model=MODEL, status="499") == 1
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
 
@@ -410,7 +426,9 @@ async def test_engine_dying_mid_stream_ends_the_client_response(
                         doomed.proc.kill()  # 3 events in: the rest (500 tokens at 20 ms) is 10 s away
     doomed.proc.wait(timeout=10)
     assert 3 <= events < 500
-    text = await trio.to_thread.run_sync(metrics_of, base)
+    text = await trio.to_thread.run_sync(
+        functools.partial(metrics_once, base, "llmgw_router_upstream_errors_total", 1, kind="mid_stream")
+    )
     assert sample(text, "llmgw_router_upstream_errors_total", replica="r0", kind="mid_stream") == 1
     assert sample(text, "llmgw_router_in_flight", replica="r0") == 0
     assert router.pump.stats() == (0, 0)
@@ -648,7 +666,9 @@ async def test_refused_replica_is_skipped_before_the_first_byte(
         return raw.parse().choices[0].message.content
 
     assert await trio.to_thread.run_sync(ask)
-    metrics = await trio.to_thread.run_sync(metrics_of, base)
+    metrics = await trio.to_thread.run_sync(
+        functools.partial(metrics_once, base, "llmgw_router_requests_total", 1, model=MODEL, status="200")
+    )
     assert sample(metrics, "llmgw_router_upstream_errors_total", replica="dead-r0", kind="connect") == 1
     assert sample(metrics, "llmgw_router_retries_total", model=MODEL) == 1
     assert sample(metrics, "llmgw_router_requests_total", model=MODEL, status="200") == 1
@@ -916,15 +936,14 @@ async def test_metrics_show_the_counters(nursery: trio.Nursery, engines: tuple[E
         elapsed = time.monotonic() - started
         with pytest.raises(openai.NotFoundError):
             c.completions.create(model="missing", prompt="x")
-        # A response's bookkeeping follows its last byte: the client may be quicker.
+        # A response's bookkeeping follows its last byte: the client may be quicker. Its time to
+        # first byte is recorded when the head goes out, its count when the body ends: wait for both.
 
         def answered() -> str | None:
             text = metrics_of(base)
-            return (
-                text
-                if sample(text, "llmgw_router_time_to_first_byte_seconds_count", model=MODEL) >= 5
-                else None
-            )
+            done = sample(text, "llmgw_router_requests_total", model=MODEL, status="200") >= 5
+            timed = sample(text, "llmgw_router_time_to_first_byte_seconds_count", model=MODEL) >= 5
+            return text if done and timed else None
 
         return poll("five answered requests in /metrics", answered)
 
