@@ -1,4 +1,4 @@
-"""Project tasks: ``nox -s tests | e2e | engines | lint | typecheck | proto | bench``.
+"""Project tasks: ``nox -s tests | chaos | e2e | engines | lint | typecheck | proto | bench``.
 
 Each session builds its own virtual environment from pyproject.toml, so what passes here passes on a
 fresh machine with only Python 3.11 and the package registries.
@@ -22,7 +22,17 @@ CHECKED = [*PACKAGES, "demo", "bench", "enginebuild"]
 def tests(session: nox.Session) -> None:
     """The whole test suite, with real processes and real peers."""
     session.install("-e", ".[test,dev]")
-    session.run("pytest", *session.posargs)
+    # The fault tests are their own session (below); given explicit arguments, run what they name.
+    session.run("pytest", *(session.posargs or ["-m", "not chaos"]))
+
+
+@nox.session(python="3.11")
+def chaos(session: nox.Session) -> None:
+    """Fault tests with real processes: kill -9 at varied instants, SIGSTOP/SIGCONT of agents and
+    engines, black-holed streams, engines that hang. Each checks its invariant (one engine per
+    slot, no failed request, the state timeline), is bounded in time and ends what it started."""
+    session.install("-e", ".[test,dev]")
+    session.run("pytest", "-m", "chaos", *session.posargs)
 
 
 def _build_engines(session: nox.Session) -> None:

@@ -175,6 +175,7 @@ def test_start_ready_stream_kill_stop_duplicate_and_refusal(cp: GrpcioControlPla
     assert failed_status.pid == 0 and "refused" in failed_status.error
 
 
+@pytest.mark.chaos
 def test_agent_kill9_restart_adopts_engines(cp: GrpcioControlPlane, agent: Agent) -> None:
     node = registered(cp, "gpu07")
     port = free_port()

@@ -181,6 +181,7 @@ def test_two_replicas_ready_and_a_cross_fabric_model_explained(fleet_a: Fleet) -
     assert as_json.returncode == 0 and '"replica_id"' in as_json.stdout
 
 
+@pytest.mark.chaos
 def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None:
     chat = CHAT.format(tag="a")
     ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
@@ -211,6 +212,7 @@ def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None
     assert "lost" in nodes and "unreachable for" in nodes
 
 
+@pytest.mark.chaos
 def test_control_plane_restart_restarts_no_engine(fleet_a: Fleet) -> None:
     chat = CHAT.format(tag="a")
     poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))

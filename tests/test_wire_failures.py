@@ -44,6 +44,7 @@ class BlackHoleProxy:
             nursery.start_soon(self._pump, upstream, client)
 
 
+@pytest.mark.chaos
 async def test_black_holed_connection_is_detected_by_ping(
     echo_server: tuple[StreamServer, int], nursery: trio.Nursery
 ) -> None:

@@ -46,6 +46,13 @@ class ShardState(betterproto2.Enum):
 
     FAILED = 5
 
+    UNHEALTHY = 6
+    """
+    Was READY; its liveness probe has now failed failure_threshold times in a row (the engine hangs,
+    is stopped, or answers errors). The process still runs; error says what the probe saw. A probe
+    that passes again returns it to READY; the control plane restarts it with crash-loop backoff.
+    """
+
     @classmethod
     def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
         return {
@@ -55,6 +62,7 @@ class ShardState(betterproto2.Enum):
             3: "SHARD_STATE_DRAINING",
             4: "SHARD_STATE_STOPPED",
             5: "SHARD_STATE_FAILED",
+            6: "SHARD_STATE_UNHEALTHY",
         }
 
     @classmethod
@@ -66,6 +74,7 @@ class ShardState(betterproto2.Enum):
             "SHARD_STATE_DRAINING": 3,
             "SHARD_STATE_STOPPED": 4,
             "SHARD_STATE_FAILED": 5,
+            "SHARD_STATE_UNHEALTHY": 6,
         }
 
 
@@ -183,6 +192,11 @@ class EngineProfile(betterproto2.Message):
     model: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
     served_model_name: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The one name clients use for this model. The control plane always sets it in StartShard (its
+    catalog name when the operator set none); the agent serves exactly this name and never invents
+    another, and an engine is ready only when its /v1/models lists it.
+    """
 
     tensor_parallel_size: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
 
@@ -380,8 +394,10 @@ class Register(betterproto2.Message):
         12, betterproto2.TYPE_MESSAGE, repeated=True
     )
     """
-    Shards already running on the node (adopted after an agent restart, or still running across a
-    reconnect): the control plane refreshes what it knows instead of starting anything twice.
+    Every shard the agent knows on this node, live or not: engines running (adopted after an agent
+    restart, or still running across a reconnect; an adopted engine that answers its probes is READY
+    here already) and shards that ended since the last Register (STOPPED or FAILED, with the reason),
+    so the control plane refreshes what it knows instead of starting anything twice or losing a failure.
     """
 
     driver_version: "str" = betterproto2.field(13, betterproto2.TYPE_STRING)
@@ -448,6 +464,10 @@ default_message_pool.register_message("llmgw.v1", "ShardStatus", ShardStatus)
 @dataclass(eq=False, repr=False)
 class StartShard(betterproto2.Message):
     shard_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    1 to 128 characters: letters, digits, '.', '_' or '-', starting with a letter or digit
+    (schema.ids.SHARD_ID). The agent names its record and log files after it, one to one.
+    """
 
     replica_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
