@@ -233,11 +233,19 @@ class ControlPlane:
         return self.plan
 
     def start_spec(self, replica: ReplicaPlacement, shard: ShardAssignment) -> schema.StartShard:
+        """The StartShard for one placed shard.
+
+        ``served_model_name`` is always the name the router advertises for the model
+        (``ModelConfig.served_name``: the profile's own, else the catalog name), so an engine can only
+        answer to the name clients are sent to it with; the agent never derives one itself.
+        """
         model = self.models[replica.model]
+        profile = model.profile.to_proto()
+        profile.served_model_name = model.served_name
         return schema.StartShard(
             shard_id=shard.shard_id,
             replica_id=replica.replica_id,
-            profile=model.profile.to_proto(),
+            profile=profile,
             gpu_indices=list(shard.gpu_indices),
             http_port=shard.port,
             ready_timeout_seconds=model.ready_timeout,

@@ -357,3 +357,78 @@ def test_ctl_logs_and_drain_moves_replicas_first(fleet_a: Fleet) -> None:
     poll(f"{chat} ready off {node}", moved)
     poll(f"the engines on {node} stopped", lambda: not any(pid_alive(p) for p in old_pids))
     assert "(draining)" in fleet_a.cp.ctl("nodes").stdout
+
+
+def docs_catalog() -> str:
+    """The ``[[models]]`` example of ``control/config.py``'s docstring, verbatim (the README's llama-70b)."""
+    import textwrap
+
+    import control.config
+
+    doc = control.config.__doc__ or ""
+    example = textwrap.dedent(doc.split("::\n", 1)[1].split("\nUnknown keys", 1)[0])
+    return example[example.index("[[models]]") :]
+
+
+def test_the_documented_catalog_example_serves_its_catalog_name(tmp_path: Path) -> None:
+    """The example names no ``served_model_name``: clients use the catalog name, and so must the engine.
+
+    Only test values are swapped in: listen addresses, state_dir, engine ports, and the engine binary
+    (the agent runs vLLM profiles on the sim). The node satisfies the example's requirements: 8 GPUs
+    with 140 GiB each (an H200-like copy of the H100 fixture; an 80 GB H100 reports 79.6 GiB, under the
+    example's ``min_memory_gib = 80``), labelled zone=a.
+    """
+    catalog_text = docs_catalog()
+    assert 'name = "llama-70b"' in catalog_text and "served_model_name" not in catalog_text
+    inventory = tmp_path / "h200x8.toml"
+    inventory.write_text(
+        (Path(__file__).parent / "fixtures" / "inventory" / "h100x8.toml")
+        .read_text()
+        .replace("memory_total_mib = 81559", "memory_total_mib = 143771")
+        .replace("H100 80GB HBM3", "H200")
+    )
+    cp = ControlProcess(
+        tmp_path / "cp",
+        f"""state_dir = "{tmp_path / "cp" / "state"}"
+[listen]
+agents = "127.0.0.1:{free_port()}"
+api = "127.0.0.1:0"
+router = "127.0.0.1:0"
+[engines]
+ports = "21000-21099"
+
+{catalog_text}""",
+    )
+    agent = None
+    try:
+        cp.start()
+        agent = Agent(
+            tmp_path / "agents",
+            "gpu07",
+            f"http://127.0.0.1:{cp.agent_port}",
+            None,
+            "ib-a:mlx5_0:1",
+            "127.0.0.1",
+            extra=("--inventory", str(inventory), "--labels", "zone=a", "--engine-ports", "21000-21099"),
+        )
+        agent.start()
+
+        def two_ready() -> list[dict[str, object]] | None:
+            reps = [r for r in cp.api("/api/replicas") if r["state"] == "ready"]
+            return reps if len(reps) == 2 else None
+
+        replicas = poll("both llama-70b replicas ready", two_ready, timeout=90)
+        assert {r["served_model_name"] for r in replicas} == {"llama-70b"}
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cp.router_port}/v1", api_key="none")
+        answer = client.chat.completions.create(
+            model="llama-70b", messages=[{"role": "user", "content": "hello"}], max_tokens=4
+        )
+        assert answer.choices[0].message.content
+        # The engines were started under that name, not under the profile's model.
+        for pid in agent.engine_pids():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--served-model-name") + 1] == b"llama-70b"
+    finally:
+        cp.terminate()
+        if agent is not None:
+            agent.stop_all()
