@@ -28,7 +28,7 @@ from agent.engines import (
     trtllm,
     vllm,
 )
-from agent.engines.base import bytes_per_param, format_indices
+from agent.engines.base import bytes_per_param, format_indices, listed_names
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -42,7 +42,10 @@ def gpus(n: int, **kw: object) -> list[GpuInfo]:
 
 
 def profile(engine: str = "vllm", **kw: object) -> schema.EngineProfile:
-    fields: dict[str, object] = {"engine": engine, "model": "meta-llama/Llama-3.1-8B-Instruct"}
+    """A profile as the control plane sends it: ``served_model_name`` is always set (here to the
+    model, which every engine, trtllm-serve included, can serve under)."""
+    model = str(kw.get("model", "meta-llama/Llama-3.1-8B-Instruct"))
+    fields: dict[str, object] = {"engine": engine, "model": model, "served_model_name": model}
     fields.update(kw)
     return schema.EngineProfile(**fields)  # type: ignore[arg-type]
 
@@ -319,8 +322,10 @@ def test_llamacpp_cpu_argv() -> None:
 
 
 def test_llamacpp_readiness_and_stop() -> None:
-    ready = llamacpp.readiness(spec(profile("llamacpp", model="m.gguf")))
-    assert ready.paths == ("/health",) and ready.loading_statuses == (503,)
+    ready = llamacpp.readiness(spec(profile("llamacpp", model="m.gguf", served_model_name="qwen")))
+    # /v1/models is read after /health passes: the id it lists is the --alias, the served name.
+    assert ready.paths == ("/health", "/v1/models") and ready.loading_statuses == (503,)
+    assert ready.model_name == "qwen"
     # llama-server cuts open streams on SIGTERM: the supervisor drains it through /metrics instead.
     assert not llamacpp.STOP.drains_in_flight and llamacpp.STOP.graceful_flag == ""
     assert "/metrics" in llamacpp.STOP.note
@@ -351,7 +356,9 @@ def test_trtllm_argv() -> None:
         "--max_batch_size", "64",
     )  # fmt: skip
     assert dict(cmd.env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4,5"}
-    assert trtllm.readiness(spec(p)).paths == ("/health",)
+    ready = trtllm.readiness(spec(p))
+    assert ready.paths == ("/health", "/v1/models")
+    assert ready.model_name == "meta-llama/Llama-3.1-8B-Instruct"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,6 +403,24 @@ def test_required_fields() -> None:
     assert str(err) == "profile.engine is required (this is the vllm adapter)"
     err = refusal(plan, schema.StartShard(shard_id="s", http_port=1), [], ctx("x"))
     assert str(err) == "StartShard.profile is required"
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_every_engine_refuses_a_start_without_a_served_name(engine: str) -> None:
+    """The control plane names the model; no adapter falls back to ``profile.model``."""
+    p = profile(engine, served_model_name="", model="/models/m.gguf" if engine == "llamacpp" else "m")
+    err = refusal(ENGINES[engine].validate, p, gpus(1))
+    assert err.rule == "served-model-name"
+    assert str(err).startswith("profile.served_model_name is required: the control plane always sets")
+    err = refusal(plan, spec(p), gpus(1), ctx("x"))
+    assert err.rule == "served-model-name"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "trtllm", "sim"])
+def test_every_openai_engine_checks_v1_models_for_the_served_name(engine: str) -> None:
+    model = "/models/m.gguf" if engine == "llamacpp" else "m"
+    ready = ENGINES[engine].readiness(spec(profile(engine, model=model, served_model_name=model)))
+    assert ready.paths == ("/health", "/v1/models") and ready.model_name == model
 
 
 def test_parallel_fit_single_node() -> None:
@@ -545,6 +570,13 @@ def test_trtllm_rules() -> None:
         "served_model_name 'llama' cannot be honoured: trtllm-serve 1.2 has no flag for it and serves the "
         "model as 'meta-llama/Llama-3.1-8B-Instruct'"
     )
+    # A local checkpoint directory is listed under its base name (openai_server.py: Path(model).name).
+    local = profile("trtllm", model="/models/llama-8b/", served_model_name="llama-8b")
+    trtllm.validate(local, gpus(1))
+    err = refusal(
+        trtllm.validate, profile("trtllm", model="/models/llama-8b", served_model_name="x"), gpus(1)
+    )
+    assert str(err).endswith("serves the model as '/models/llama-8b' or 'llama-8b'")
     # The KV-cache fraction applies after the weights, so it does not shrink the weights' budget.
     trtllm.validate(profile("trtllm", params_billions=8, gpu_memory_utilization=0.1), gpus(1))
     err = refusal(trtllm.validate, profile("trtllm", params_billions=70), gpus(1))
@@ -607,6 +639,12 @@ def test_readiness_model_listed() -> None:
     assert not ready.model_listed(b'{"object":"list","data":[{"id":"x"}]}')
     assert not ready.model_listed(b"<html>loading</html>")
     assert not ready.model_listed(b'{"error":{"code":503}}')
+    # A well-formed list is an answer ("serves x"); anything else says nothing about names.
+    assert listed_names(b'{"object":"list","data":[{"id":"x"},{"id":"m"}]}') == ("x", "m")
+    assert listed_names(b'{"object":"list","data":[]}') == ()
+    assert listed_names(b"<html>loading</html>") is None
+    assert listed_names(b'{"error":{"code":503}}') is None
+    assert listed_names(b'{"data":{"id":"m"}}') is None
 
 
 def test_format_indices() -> None:

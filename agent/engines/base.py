@@ -94,7 +94,10 @@ class Readiness:
 
     Ready means: ``health_path`` answers 200 and, when ``models_path`` is set, its JSON lists
     ``model_name`` (an engine can answer /health before the OpenAI app is mounted, and a router
-    must never be told about a name the engine does not serve). A status in ``loading_statuses``
+    must never be told about a name the engine does not serve). A ``models_path`` that answers
+    200 with a well-formed list *without* ``model_name`` is not "still loading": the engine is up
+    and serves other names, so the start has failed (``listed_names`` tells the two apart). A
+    status in ``loading_statuses``
     means "still loading, keep polling"; any other non-200 status is worth logging but not fatal,
     only the process exiting is. ``follow_rank0`` marks ranks > 0 of a multi-node replica: they
     serve no HTTP of their own, and are ready when rank 0 is.
@@ -119,13 +122,21 @@ class Readiness:
     def model_listed(self, body: bytes) -> bool:
         """Whether a ``/v1/models`` response body lists ``model_name``; false for anything that is
         not the OpenAI list shape (a loading page, a proxy's error), never an exception."""
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return False
-        if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
-            return False
-        return any(isinstance(m, dict) and m.get("id") == self.model_name for m in doc["data"])
+        names = listed_names(body)
+        return names is not None and self.model_name in names
+
+
+def listed_names(body: bytes) -> tuple[str, ...] | None:
+    """The model ids a ``/v1/models`` body lists, in order; ``None`` when the body is not the OpenAI
+    list shape (``{"data": [{"id": ...}, ...]}``), so that a loading page or a proxy's error page is
+    never mistaken for "serves no such model"."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+        return None
+    return tuple(str(m["id"]) for m in doc["data"] if isinstance(m, dict) and isinstance(m.get("id"), str))
 
 
 @attrs.frozen
@@ -194,9 +205,22 @@ def require_profile(spec: schema.StartShard) -> schema.EngineProfile:
     return spec.profile
 
 
+#: Why the agent never makes up a served name, for the refusal's message.
+SERVED_NAME_RULE = (
+    "profile.served_model_name is required: the control plane always sets the one name clients use "
+    "(its catalog name when the operator set none), and the agent never derives another"
+)
+
+
 def served_name(profile: schema.EngineProfile) -> str:
-    """The name clients use: ``served_model_name``, or the model itself when it is unset."""
-    return profile.served_model_name or profile.model
+    """The name clients use, exactly as the control plane sent it.
+
+    There is no fallback to ``profile.model``: a second source of names is how an engine ends up
+    serving one name while the router advertises another, and answers 404 to every request.
+    """
+    if not profile.served_model_name:
+        raise ProfileRefused("served-model-name", SERVED_NAME_RULE)
+    return profile.served_model_name
 
 
 def parallel_sizes(profile: schema.EngineProfile) -> tuple[int, int]:
@@ -253,6 +277,7 @@ def check_required(profile: schema.EngineProfile, engine: str) -> None:
         raise ProfileRefused("required", f"profile.engine is required (this is the {engine} adapter)")
     if not profile.model:
         raise ProfileRefused("required", "profile.model is required (a model path or Hugging Face repo id)")
+    served_name(profile)
     if profile.gpu_memory_utilization < 0 or profile.gpu_memory_utilization > 1:
         raise ProfileRefused(
             "gpu-memory-utilization",

@@ -31,8 +31,9 @@ estimate, and ``dtype`` must be empty or ``auto``. ``gpu_memory_utilization`` ha
 equivalent; it only scales the memory estimate.
 
 Readiness: ``/health`` answers 503 (``{"error": {"code": 503, "message": "Loading model"}}``) while
-the model loads and 200 after; the end-to-end test sees both. ``/v1/models`` is not a signal: the
-server answers it during loading.
+the model loads and 200 after; the end-to-end test sees both. ``/v1/models`` alone is not a signal
+(the server answers it during loading), so it is read only after ``/health`` passes, to check that
+the id it lists (the ``--alias``) is the served name the control plane asked for.
 
 Stop: llama-server does **not** drain in-flight requests on SIGTERM, and has no flag to. Its signal
 handler stops the task loop at once: open streams get no more tokens and no end (no
@@ -180,7 +181,12 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
 
 
 def readiness(spec: schema.StartShard) -> Readiness:
-    return Readiness(health_path="/health", loading_statuses=(503,))
+    return Readiness(
+        health_path="/health",
+        models_path="/v1/models",
+        model_name=base.served_name(base.require_profile(spec)),
+        loading_statuses=(503,),
+    )
 
 
 ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)

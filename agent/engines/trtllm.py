@@ -15,18 +15,23 @@ click ``DefaultGroup``, so the explicit ``serve`` is accepted by every version:
 
 What trtllm-serve has no flag for, and so is refused rather than silently dropped: ``dtype``
 (the checkpoint, or a ``--config`` YAML in ``extra_args``, sets it), a ``served_model_name``
-different from the model (the OpenAI server names the model after its argument), and multi-node
+different from the name the OpenAI server gives the model (its argument, or the base name of a
+local checkpoint directory: ``tensorrt_llm/serve/openai_server.py`` uses ``Path(model).name``
+when the path is a directory), and multi-node
 shards (they need an MPI launcher, ``trtllm-llmapi-launch`` under mpirun or srun, which llmgw does
 not drive). ``quantization`` is read from the checkpoint too; the profile may state it (a
 ``QuantAlgo`` name from ``tensorrt_llm/quantization/mode.py``) for the capability and memory
 checks, and it is not passed on the command line.
 
-Readiness: ``/health``. Stop: SIGTERM; no drain flag.
+Readiness: ``/health``, then ``/v1/models`` must list the served name (which of the two names a
+path gets depends on the node's filesystem, so only the running server can say). Stop: SIGTERM; no
+drain flag.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePosixPath
 
 import schema
 from agent.discovery.model import GpuInfo
@@ -67,6 +72,16 @@ QUANT_ALGOS = (
 STOP = StopBehaviour(note="no drain flag at 1.2: SIGTERM aborts in-flight requests")
 
 
+def model_names(model: str) -> tuple[str, ...]:
+    """The names trtllm-serve may list ``model`` under: the argument itself, and for a filesystem
+    path its base name too (used when the path is a local checkpoint directory)."""
+    if model.startswith(("/", "./", "../", "~")):
+        base_name = PurePosixPath(model.rstrip("/")).name
+        if base_name and base_name != model:
+            return (model, base_name)
+    return (model,)
+
+
 def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1) -> None:
     base.check_required(profile, NAME)
     base.check_env(profile)
@@ -82,11 +97,13 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
             f"quantization {profile.quantization!r} is not a TensorRT-LLM {VERSION} QuantAlgo; "
             f"choices: {', '.join(QUANT_ALGOS)}",
         )
-    if profile.served_model_name and profile.served_model_name != profile.model:
+    names = model_names(profile.model)
+    if profile.served_model_name not in names:
+        served_as = " or ".join(repr(n) for n in names)
         raise ProfileRefused(
             "served-model-name",
             f"served_model_name {profile.served_model_name!r} cannot be honoured: trtllm-serve "
-            f"{VERSION} has no flag for it and serves the model as {profile.model!r}",
+            f"{VERSION} has no flag for it and serves the model as {served_as}",
         )
     base.check_nnodes(
         nnodes,
@@ -137,7 +154,11 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
 
 
 def readiness(spec: schema.StartShard) -> Readiness:
-    return Readiness(health_path="/health")
+    return Readiness(
+        health_path="/health",
+        models_path="/v1/models",
+        model_name=base.served_name(base.require_profile(spec)),
+    )
 
 
 ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)
