@@ -1,7 +1,8 @@
 """``python -m control --config llmgw.toml`` runs the control plane; ``python -m control ctl ...`` asks it.
 
 ``ctl`` subcommands (``--api http://127.0.0.1:7080``, or ``LLMGW_API``), each as a readable table or
-with ``--json`` as the API's JSON:
+with ``--json`` as the API's JSON; ``--api`` and ``--json`` go before or after the subcommand. Exit
+status: 0 done, 1 the operation failed (the API said no, or could not be reached), 2 a usage mistake.
 
     nodes            every node, its state and why, GPUs free/total, fabrics
     replicas         every placed replica, its shards, where they run and in what state
@@ -13,11 +14,14 @@ with ``--json`` as the API's JSON:
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import logging
 import os
+import re
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +30,7 @@ from typing import Any
 import httpx
 import trio
 
-from control.config import ConfigError, load
+from control.config import ConfigError, ControlConfig, Listen, line_of, parse, read
 from control.plane import ControlPlane
 
 log = logging.getLogger("llmgw.control")
@@ -104,10 +108,27 @@ def render(command: str, doc: Any) -> str:
     return json.dumps(doc, indent=2)
 
 
+def _add_global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """``--api`` and ``--json``, on the top parser with their defaults and on each subcommand with
+    none (argparse.SUPPRESS), so ``ctl --json nodes`` and ``ctl nodes --json`` both work and a
+    subcommand's parse never overwrites what was given before it."""
+    api_default = os.environ.get("LLMGW_API", "http://127.0.0.1:7080") if defaults else argparse.SUPPRESS
+    parser.add_argument(
+        "--api",
+        default=api_default,
+        help="the control plane's admin API URL (default: $LLMGW_API, else http://127.0.0.1:7080)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=False if defaults else argparse.SUPPRESS,
+        help="print the API's JSON",
+    )
+
+
 def ctl(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m control ctl", description="Ask a running control plane.")
-    parser.add_argument("--api", default=os.environ.get("LLMGW_API", "http://127.0.0.1:7080"))
-    parser.add_argument("--json", action="store_true", help="print the API's JSON")
+    _add_global_options(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("nodes")
     sub.add_parser("replicas")
@@ -116,7 +137,11 @@ def ctl(argv: Sequence[str]) -> int:
     logs.add_argument("shard")
     logs.add_argument("-n", "--lines", type=int, default=100)
     sub.add_parser("drain").add_argument("node")
+    for subparser in sub.choices.values():
+        _add_global_options(subparser, defaults=False)
     args = parser.parse_args(argv)
+    if not re.fullmatch(r"https?://[^/\s?#]+/?", args.api):
+        parser.error(f"--api {args.api!r} is not the admin API's URL; write it as http://HOST:PORT")
     method, path = "GET", f"/api/{args.command}"
     if args.command == "why":
         path += f"/{args.model}"
@@ -124,27 +149,41 @@ def ctl(argv: Sequence[str]) -> int:
         path += f"/{args.shard}?lines={args.lines}"
     elif args.command == "drain":
         method, path = "POST", f"/api/drain/{args.node}"
+    url = args.api.rstrip("/") + path
     try:
-        resp = httpx.request(method, args.api.rstrip("/") + path, timeout=30)
+        resp = httpx.request(method, url, timeout=30)
     except httpx.HTTPError as exc:
-        print(f"ctl: cannot reach the control plane at {args.api}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        doc = resp.json()
-    except ValueError:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
         print(
-            f"ctl: {args.api} answered HTTP {resp.status_code} without JSON: {resp.text[:200]}",
+            f"ctl: cannot reach the control plane: {method} {url}: {reason}; "
+            "is it running, and is --api (or LLMGW_API) its admin API address?",
             file=sys.stderr,
         )
         return 1
+    try:
+        doc = resp.json()
+    except ValueError:
+        body = " ".join(resp.text[:200].split())
+        print(f"ctl: {method} {url}: HTTP {resp.status_code} without JSON: {body}", file=sys.stderr)
+        return 1
     if resp.status_code != 200:
-        print(f"ctl: {doc.get('error', resp.text)}", file=sys.stderr)
+        error = doc.get("error") if isinstance(doc, dict) else None
+        reason = " ".join(str(error or resp.text[:200]).split())
+        print(f"ctl: {method} {url}: HTTP {resp.status_code}: {reason}", file=sys.stderr)
         return 1
     print(json.dumps(doc, indent=2) if args.json else render(args.command, doc))
     return 0
 
 
 async def _serve(plane: ControlPlane) -> None:
+    """Run until SIGTERM or SIGINT, then stop in order and return (the process exits 0).
+
+    Stopping is bounded and keeps what a restart needs: cancelling ``plane.run`` makes its agent
+    stream server say GOAWAY to every agent and end their streams (``StreamServer.serve``, within
+    its ``shutdown_grace`` plus a few seconds), so agents reconnect with their backoff instead of
+    finding a dead socket; then the state file is written once more, with fsync. A second signal
+    while that runs ends the process at once: the signal handlers are back to their defaults by then.
+    """
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             await nursery.start(plane.run)
@@ -156,9 +195,16 @@ async def _serve(plane: ControlPlane) -> None:
                 )
             else:
                 print(f"llmgw router ready (router-only run): router :{plane.router_port}", flush=True)
-            async for _ in signals:
+            async for signum in signals:
+                log.info(
+                    "%s: stopping: GOAWAY to every agent, then the state is saved",
+                    signal.Signals(signum).name,
+                )
                 nursery.cancel_scope.cancel()
                 break
+    if plane.config.runs_control_plane:
+        await plane.save()
+        log.info("control plane stopped; state in %s", plane.state_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,13 +216,136 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=Path(os.environ.get("LLMGW_CONFIG", "llmgw.toml")))
     args = parser.parse_args(argv)
     try:
-        config = load(args.config)
+        text = read(args.config)
+        config = parse(text, str(args.config))
     except ConfigError as exc:
         print(f"llmgw-control: {exc}", file=sys.stderr)
         return 2
+    problems = startup_problems(config, text, str(args.config))
+    for problem in problems:
+        print(f"llmgw-control: {problem}", file=sys.stderr)
+    if problems:
+        return 2
     tune_gc()
-    trio.run(_serve, ControlPlane(config))
+    try:
+        trio.run(_serve, ControlPlane(config))
+    except (OSError, ExceptionGroup) as exc:
+        # The ports were free a moment ago (startup_problems); one taken since is still one line.
+        lost = _bind_errors(exc)
+        if not lost:
+            raise
+        print(
+            f"llmgw-control: cannot listen: {lost[0].strerror}; a port was taken while starting",
+            file=sys.stderr,
+        )
+        return 2
     return 0
+
+
+def _where(text: str, source: str, path: tuple[str, ...], is_default: bool) -> str:
+    """``llmgw.toml line 3``, or that the value is the default (written nowhere to point at)."""
+    line = line_of(text, *path, exact=True) or (None if is_default else line_of(text, *path))
+    return f"{source} line {line}" if line else f"the default; {source} does not set {'.'.join(path)}"
+
+
+def _state_dir_problem(config: ControlConfig, text: str, source: str) -> str:
+    """Why the control plane could not save its state in ``state_dir``; "" when it can.
+
+    Found now, before anything is served, rather than at the first save, minutes into a run whose
+    placements a restart would then forget."""
+    state_dir = config.state_dir
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        probe = state_dir / f".llmgw-write-test-{os.getpid()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"llmgw")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        return (
+            f"state_dir: cannot write {exc.filename or state_dir}: {exc.strerror or exc} "
+            f"({_where(text, source, ('state_dir',), state_dir == ControlConfig().state_dir)}); make {state_dir} a directory this user "
+            f"(uid {os.geteuid()}) can write, or set state_dir to one"
+        )
+    return ""
+
+
+def _listen_problem(key: str, address: str, text: str, source: str) -> str:
+    """Why ``address`` cannot be listened on (taken, not this machine's, privileged); "" when it can.
+
+    Binds and closes a socket the way trio.open_tcp_listeners will (SO_REUSEADDR, IPv6-only), so a
+    port held by another process is named with its listener here instead of surfacing as a
+    traceback from inside the running server."""
+    host, port = Listen.split(address)
+    where = _where(text, source, ("listen", key), address == getattr(Listen(), key))
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"listen.{key}: cannot resolve {host!r} ({exc.strerror}) ({where}); use an IP address of this machine"
+    for family, type_, proto, _, sockaddr in infos:
+        try:
+            sock = socket.socket(family, type_, proto)
+        except OSError as exc:
+            if exc.errno == errno.EAFNOSUPPORT:
+                continue
+            return f"listen.{key}: cannot open a socket for {address}: {exc.strerror} ({where})"
+        with sock:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(sockaddr)
+                sock.listen(1)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"listen.{key}: {address} is in use: another process holds port {port} ({where}); "
+                        f"stop it (`ss -ltnp 'sport = :{port}'` names it) or choose another port"
+                    )
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return (
+                        f"listen.{key}: {host} is not an address of this machine ({where}); "
+                        "use one of its addresses, or 0.0.0.0 for all"
+                    )
+                if exc.errno == errno.EACCES:
+                    return (
+                        f"listen.{key}: port {port} needs privilege ({where}); ports below 1024 need "
+                        "root or CAP_NET_BIND_SERVICE: choose a port above 1023"
+                    )
+                return f"listen.{key}: cannot listen on {address}: {exc.strerror or exc} ({where})"
+    return ""
+
+
+def startup_problems(config: ControlConfig, text: str, source: str) -> list[str]:
+    """What would stop this configuration from serving, each one line: an unwritable state_dir and
+    listen addresses that cannot be bound. Runs before the event loop, so its blocking calls
+    (mkdir, fsync, DNS) hold up nothing."""
+    problems = []
+    listeners = [("router", config.listen.router)]
+    if config.runs_control_plane:
+        problems.append(_state_dir_problem(config, text, source))
+        listeners = [("agents", config.listen.agents), ("api", config.listen.api), *listeners]
+    problems += [_listen_problem(key, address, text, source) for key, address in listeners if address]
+    return [p for p in problems if p]
+
+
+def _bind_errors(exc: BaseException) -> list[OSError]:
+    """The bind failures an error from the running server consists of, or [] when it is anything
+    else (which then keeps its traceback)."""
+    leaves = list(_leaves(exc))
+    binds = [
+        e for e in leaves if isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+    ]
+    return binds if len(binds) == len(leaves) else []
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
 
 
 def tune_gc() -> None:

@@ -55,14 +55,18 @@ default 1 is how a fleet ends up half the size its operator thinks it is.
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import re
 import tomllib
 import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 import cattrs
+from cattrs.errors import AttributeValidationNote, ForbiddenExtraKeysError
 from cattrs.v import format_exception
 
 import schema
@@ -70,17 +74,141 @@ from control.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
 
 
 class ConfigError(Exception):
-    """A configuration a person must fix; the message names the key, the file and the line."""
+    """A configuration a person must fix; the message names the key, the file and the line.
+
+    One problem is one line; several are one line each under a heading."""
+
+
+#: A key's place in the config: ``("models", 1, "gpus", "count")`` is ``models[1].gpus.count``.
+KeyPath = tuple[str | int, ...]
+
+
+class FieldProblem(ValueError):
+    """A rule one key breaks, raised by a validator with the key's path relative to the class.
+
+    cattrs attributes an exception from ``__init__`` (where attrs runs validators) to the whole
+    class, which would report ``lost_after = -8.0`` at the ``[liveness]`` header and a top-level
+    key at no line at all; carrying the path lets the error name the key's own line."""
+
+    def __init__(self, path: str | KeyPath, message: str) -> None:
+        super().__init__(message)
+        self.path: KeyPath = (path,) if isinstance(path, str) else path
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
-        raise ValueError(f"{attribute.name} must be greater than 0, got {value}")
+        raise FieldProblem(attribute.name, f"{attribute.name} must be greater than 0, got {value}")
 
 
 def _coalesce(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if not 0 <= value <= MAX_COALESCE_US:
-        raise ValueError(f"{attribute.name} must be 0 to {MAX_COALESCE_US} (microseconds), got {value}")
+        raise FieldProblem(
+            attribute.name, f"{attribute.name} must be 0 to {MAX_COALESCE_US} (microseconds), got {value}"
+        )
+
+
+#: The engines an agent can run: the keys of ``agent.engines.ENGINES``, spelled out here because the
+#: control plane never imports the agent (tests/test_control_config.py keeps the two equal).
+ENGINE_NAMES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "trtllm", "sim")
+
+
+def engine_problem(name: str) -> str:
+    """Why ``name`` is no engine an agent can run, with the closest known name; "" when it is one.
+
+    Caught here, a typo fails at start-up with the right line instead of as a StartShard refusal on
+    every node, one reconcile pass after another."""
+    if name in ENGINE_NAMES:
+        return ""
+    close = difflib.get_close_matches(name.lower(), ENGINE_NAMES, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown engine {name!r}; {hint}known engines: {', '.join(ENGINE_NAMES)}"
+
+
+def _known_engine(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    problem = engine_problem(value)
+    if problem:
+        raise FieldProblem(attribute.name, problem)
+
+
+_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?")
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
+def listen_problem(address: str, *, example: str, may_be_empty: bool = False, fixed_port: str = "") -> str:
+    """What is wrong with a ``[listen]`` address, and what to write instead; "" when it is fine.
+
+    HOST:PORT with PORT 1-65535, IPv6 hosts in brackets (``[::1]:7070``). ``may_be_empty``: "" means
+    "no such listener". Port 0 (the kernel picks a free one, which the ready line reports) is
+    allowed unless ``fixed_port`` says why the port must be known in advance. Pure: nothing is
+    resolved or bound here."""
+    if address == "":
+        return "" if may_be_empty else f"is empty; write HOST:PORT, e.g. {example!r}"
+    if "://" in address:
+        netloc = address.split("://", 1)[1].split("/", 1)[0]
+        return f"{address!r} is a URL; write HOST:PORT only, e.g. {netloc or example!r}"
+    bracketed = re.fullmatch(r"\[([^\]]*)\](?::(.*))?", address)
+    if bracketed:
+        host, port = bracketed.group(1), bracketed.group(2)
+        if not _is_ipv6(host):
+            return f"{address!r}: {host!r} in brackets is not an IPv6 address"
+        if port is None:
+            return f"{address!r} has no port; write HOST:PORT, e.g. '[{host}]:{example.rpartition(':')[2]}'"
+    elif ":" not in address:
+        if address.isdigit():
+            return (
+                f"{address!r} has no host; write HOST:PORT, e.g. '0.0.0.0:{address}' (every interface) "
+                f"or '127.0.0.1:{address}' (this machine only)"
+            )
+        return f"{address!r} has no port; write HOST:PORT, e.g. '{address}:{example.rpartition(':')[2]}'"
+    else:
+        host, _, port = address.rpartition(":")
+        if _is_ipv6(address):
+            example = f"'[{host}]:{port}'" if _is_ipv6(host) else f"'[{address}]:PORT'"
+            return f"{address!r}: an IPv6 address goes in brackets, as in {example}"
+        if _is_ipv6(host):
+            return f"{address!r}: an IPv6 address goes in brackets: '[{host}]:{port}'"
+        if not host:
+            return (
+                f"{address!r} has no host; write HOST:PORT, e.g. '0.0.0.0:{port}' (every interface) "
+                f"or '127.0.0.1:{port}' (this machine only)"
+            )
+        if not (_HOSTNAME.fullmatch(host) or _is_ipv4(host)):
+            return f"{address!r}: {host!r} is neither an IP address nor a host name"
+    ports = "1-65535" if fixed_port else "0-65535 (0: any free port)"
+    if not port.isdigit():
+        return f"{address!r}: the port {port!r} is not a number; use {ports}"
+    if fixed_port and int(port) == 0:
+        return f"{address!r}: port 0 (any free port) does not suit this listener: {fixed_port}; use {ports}"
+    if not int(port) <= 65535:
+        return f"{address!r}: port {int(port)} is out of range; use {ports}"
+    return ""
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv4Address)
+    except ValueError:
+        return False
+
+
+def _listen_address(
+    *, may_be_empty: bool = False, fixed_port: str = ""
+) -> Callable[[object, attrs.Attribute[str], str], None]:
+    def check(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+        problem = listen_problem(
+            value, example=str(attribute.default), may_be_empty=may_be_empty, fixed_port=fixed_port
+        )
+        if problem:
+            raise FieldProblem(attribute.name, problem)
+
+    return check
 
 
 def _parse_range(text: str, what: str) -> tuple[int, int]:
@@ -99,10 +227,30 @@ def _parse_cc(text: str) -> tuple[int, int]:
 
 @attrs.frozen
 class Listen:
-    agents: str = "0.0.0.0:7070"
-    api: str = "127.0.0.1:7080"
+    """Where each listener binds, checked when the file is read (a bad address found at bind time
+    would surface as a traceback from inside the running server).
+
+    Port 0 (any free port, reported on the ready line) suits the API and the router; agents dial
+    a port fixed in their ``--server`` URL, so theirs must be set."""
+
+    agents: str = attrs.field(
+        default="0.0.0.0:7070",
+        validator=_listen_address(fixed_port="agents dial the port in their --server URL"),
+    )
+    api: str = attrs.field(default="127.0.0.1:7080", validator=_listen_address())
     #: The OpenAI-compatible router; empty: no router in this process.
-    router: str = "0.0.0.0:8080"
+    router: str = attrs.field(default="0.0.0.0:8080", validator=_listen_address(may_be_empty=True))
+
+    def __attrs_post_init__(self) -> None:
+        named = [("agents", self.agents), ("api", self.api), ("router", self.router)]
+        for i, (key, address) in enumerate(named):
+            for other, other_address in named[:i]:
+                if address and other_address and _same_socket(address, other_address):
+                    raise FieldProblem(
+                        key,
+                        f"{address!r} takes the port of listen.{other} ({other_address!r}); "
+                        "each listener needs a port of its own",
+                    )
 
     @staticmethod
     def split(address: str) -> tuple[str, int]:
@@ -110,6 +258,22 @@ class Listen:
         if not host or not port.isdigit():
             raise ValueError(f"listen address must be HOST:PORT, got {address!r}")
         return host.strip("[]"), int(port)
+
+
+def _same_socket(a: str, b: str) -> bool:
+    """Whether two valid listen addresses would bind the same port: the same host, or one is its
+    family's wildcard. Port 0 never collides (each listener gets its own free port)."""
+    host_a, port_a = Listen.split(a)
+    host_b, port_b = Listen.split(b)
+    if port_a != port_b or port_a == 0:
+        return False
+    if host_a == host_b:
+        return True
+    wildcards = {"0.0.0.0": False, "::": True}
+    for wild, other in ((host_a, host_b), (host_b, host_a)):
+        if wild in wildcards and (":" in other) == wildcards[wild]:
+            return True
+    return False
 
 
 @attrs.frozen
@@ -142,8 +306,11 @@ class GpuRequirements:
 
     def __attrs_post_init__(self) -> None:
         if self.count < 0:
-            raise ValueError(f"gpus.count must be >= 0, got {self.count}")
-        _parse_cc(self.min_compute_capability)
+            raise FieldProblem("count", f"count must be >= 0, got {self.count}")
+        try:
+            _parse_cc(self.min_compute_capability)
+        except ValueError as exc:
+            raise FieldProblem("min_compute_capability", str(exc)) from None
 
     @property
     def compute_capability(self) -> tuple[int, int]:
@@ -154,7 +321,7 @@ class GpuRequirements:
 class ProfileConfig:
     """An engine profile, as in StartShard."""
 
-    engine: str
+    engine: str = attrs.field(validator=_known_engine)
     model: str
     served_model_name: str = ""
     tensor_parallel_size: int = 0
@@ -196,11 +363,16 @@ class ModelConfig:
 
     def __attrs_post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
-            raise ValueError(f"model name {self.name!r} must be letters, digits, '.', '_' or '-'")
+            raise FieldProblem(
+                "name",
+                f"model name {self.name!r} must be letters, digits, '.', '_' or '-', first a letter or digit",
+            )
         if self.replicas < 0:
-            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+            raise FieldProblem("replicas", f"replicas must be >= 0, got {self.replicas}")
         if self.nodes_per_replica < 1:
-            raise ValueError(f"nodes_per_replica must be >= 1, got {self.nodes_per_replica}")
+            raise FieldProblem(
+                "nodes_per_replica", f"nodes_per_replica must be >= 1, got {self.nodes_per_replica}"
+            )
 
     @property
     def served_name(self) -> str:
@@ -220,7 +392,10 @@ class Engines:
     ports: str = "8000-8999"
 
     def __attrs_post_init__(self) -> None:
-        _parse_range(self.ports, "engines.ports")
+        try:
+            _parse_range(self.ports, "ports")
+        except ValueError as exc:
+            raise FieldProblem("ports", str(exc)) from None
 
     @property
     def port_range(self) -> tuple[int, int]:
@@ -252,10 +427,20 @@ class ControlConfig:
     backoff_reset_after: float = attrs.field(default=600.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        names = [m.name for m in self.models]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"models: duplicate name(s) {', '.join(dupes)}")
+        first: dict[str, int] = {}
+        for i, m in enumerate(self.models):
+            if m.name in first:
+                raise FieldProblem(
+                    ("models", i, "name"),
+                    f"duplicate name {m.name!r} (models[{first[m.name]}] has it too); each model needs its own",
+                )
+            first[m.name] = i
+        if not self.models and not self.listen.router:
+            raise FieldProblem(
+                ("listen", "router"),
+                "is empty, but a catalog without [[models]] is a router-only run: give the router an "
+                "address, e.g. '0.0.0.0:8080'",
+            )
 
     @property
     def runs_control_plane(self) -> bool:
@@ -282,23 +467,86 @@ def _converter() -> cattrs.Converter:
     return conv
 
 
-def _line_of(text: str, path: str) -> int | None:
-    """Best-effort line of a cattrs path like ``models[1].gpus.count`` in the TOML text."""
-    pos = 0
-    line = None
-    for name, index in re.findall(r"([A-Za-z_][\w-]*)(?:\[(\d+)\])?", path):
-        pattern = re.compile(
-            rf"^[ \t]*(\[\[?[ \t]*([\w-]+\.)*{re.escape(name)}[ \t]*\]\]?|{re.escape(name)}[ \t]*=)",
-            re.MULTILINE,
-        )
-        matches = [m for m in pattern.finditer(text, pos)]
-        k = int(index) if index else 0
-        if len(matches) <= k:
-            return line
-        pos = matches[k].start()
-        line = text.count("\n", 0, pos) + 1
-        pos = matches[k].end()
-    return line
+_BARE_KEY = r"[A-Za-z0-9_-]+"
+_ONE_KEY = rf"(?:{_BARE_KEY}|\"(?:[^\"\\]|\\.)*\"|'[^']*')"
+_DOTTED_KEY = rf"{_ONE_KEY}(?:[ \t]*\.[ \t]*{_ONE_KEY})*"
+_TABLE_HEADER = re.compile(rf"[ \t]*(\[\[?)[ \t]*({_DOTTED_KEY})[ \t]*\]\]?[ \t]*(?:#.*)?")
+_KEY_VALUE = re.compile(rf"[ \t]*({_DOTTED_KEY})[ \t]*=")
+
+
+def _key_parts(dotted: str) -> list[str]:
+    parts = []
+    for part in re.findall(_ONE_KEY, dotted):
+        if part[:1] == '"':
+            part = tomllib.loads(f"k = {part}")["k"]
+        elif part[:1] == "'":
+            part = part[1:-1]
+        parts.append(part)
+    return parts
+
+
+def _key_lines(text: str) -> dict[KeyPath, int]:
+    """The line of every table header and key in TOML text, by key path (array-of-table entries
+    counted, ``[models.gpus]`` under the latest ``[[models]]``). Best effort by design: the text
+    has already parsed, so this only needs to find lines, and a key it misses falls back to its
+    table's line. Keys inside inline tables resolve to the line of the key holding the table."""
+    lines: dict[KeyPath, int] = {}
+    arrays: dict[KeyPath, int] = {}  # array-of-tables path -> index of its latest entry
+    table: KeyPath = ()
+    closing = ""  # the quotes that end the multi-line string being skipped
+    for number, raw in enumerate(text.splitlines(), 1):
+        if closing:
+            if raw.count(closing) % 2:
+                closing = ""
+            continue
+        header = _TABLE_HEADER.fullmatch(raw)
+        if header:
+            parts = _key_parts(header.group(2))
+            path: KeyPath = ()
+            for i, part in enumerate(parts):
+                path = (*path, part)
+                if path in arrays and (header.group(1) == "[" or i < len(parts) - 1):
+                    path = (*path, arrays[path])
+            if header.group(1) == "[[":
+                arrays[path] = arrays.get(path, -1) + 1
+                path = (*path, arrays[path])
+            table = path
+            lines.setdefault(table, number)
+            continue
+        assignment = _KEY_VALUE.match(raw)
+        if assignment:
+            lines.setdefault((*table, *_key_parts(assignment.group(1))), number)
+            rest = raw[assignment.end() :]
+            closing = next((q for q in ('"""', "'''") if rest.count(q) % 2), "")
+    return lines
+
+
+def _line_of(lines: dict[KeyPath, int], path: KeyPath) -> int | None:
+    """The key's own line, else the line of the nearest enclosing table or key that is written."""
+    for end in range(len(path), 0, -1):
+        if path[:end] in lines:
+            return lines[path[:end]]
+    return None
+
+
+def line_of(text: str, *path: str | int, exact: bool = False) -> int | None:
+    """The line of the key at ``path`` in TOML text (or of its nearest written parent, unless
+    ``exact``), for problems found after parsing, such as an unwritable ``state_dir``; None when
+    it is not written (``exact``: also when it is written only inside an inline table)."""
+    lines = _key_lines(text)
+    return lines.get(path) if exact else _line_of(lines, path)
+
+
+def dotted(path: KeyPath) -> str:
+    """``("models", 1, "gpus", "count")`` -> ``models[1].gpus.count``."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            name = part if re.fullmatch(_BARE_KEY, part) else f'"{part}"'
+            out += f".{name}" if out else name
+    return out
 
 
 def _explain(err: BaseException, type_: Any) -> str:
@@ -309,37 +557,62 @@ def _explain(err: BaseException, type_: Any) -> str:
     return format_exception(err, type_)
 
 
+def _problems(exc: BaseException, path: KeyPath, type_: Any = None) -> Iterator[tuple[KeyPath, str]]:
+    """Each leaf of a cattrs error tree with the key path it belongs to."""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        for extra in sorted(exc.extra_fields):
+            yield (*path, extra), "unknown key"
+    elif isinstance(exc, cattrs.ClassValidationError | cattrs.IterableValidationError):
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            step = note.name if isinstance(note, AttributeValidationNote) else note.index
+            yield from _problems(sub, (*path, step), note.type)
+        for sub in without:
+            yield from _problems(sub, path)
+    elif isinstance(exc, FieldProblem):
+        yield (*path, *exc.path), str(exc)
+    else:
+        yield path, _explain(exc, type_)
+
+
+def _describe(path: KeyPath, message: str, source: str, lines: dict[KeyPath, int]) -> str:
+    """One line: the key, what is wrong with it, the file and the key's own line. A message that
+    begins with the key's name ("lost_after must be ...") reads on from the table's path."""
+    leaf = path[-1] if path else None
+    if isinstance(leaf, str) and message.startswith(f"{leaf} "):
+        text = f"{dotted(path[:-1])}.{message}" if len(path) > 1 else message
+    else:
+        text = f"{dotted(path) or 'config'}: {message}"
+    line = _line_of(lines, path)
+    return f"{text} ({source}{f' line {line}' if line else ''})"
+
+
 def parse(text: str, source: str = "<config>") -> ControlConfig:
-    """Structure TOML text into a ControlConfig; every problem names its key and line."""
+    """Structure TOML text into a ControlConfig; every problem names its key and the key's line."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
     try:
         return _converter().structure(data, ControlConfig)
-    except cattrs.BaseValidationError as exc:
-        problems = []
-        for message in cattrs.transform_error(exc, path="$", format_exception=_explain):
-            what, _, where = message.rpartition(" @ ")
-            key = where.removeprefix("$.").removeprefix("$")
-            if what.startswith("extra fields found"):
-                parent = f"{key}." if key else ""
-                for extra in re.findall(r"[\w-]+", what.removeprefix("extra fields found")):
-                    line = _line_of(text, f"{parent}{extra}")
-                    problems.append(
-                        f"{parent}{extra}: unknown key ({source}{f' line {line}' if line else ''})"
-                    )
-                continue
-            line = _line_of(text, key) if key else None
-            problems.append(f"{key or 'config'}: {what} ({source}{f' line {line}' if line else ''})")
-        raise ConfigError("invalid control plane configuration:\n  " + "\n  ".join(problems)) from exc
-    except ValueError as exc:
-        raise ConfigError(f"invalid control plane configuration: {exc} ({source})") from exc
+    except (cattrs.BaseValidationError, ValueError) as exc:
+        lines = _key_lines(text)
+        found = sorted(_problems(exc, ()), key=lambda p: _line_of(lines, p[0]) or 0)
+        problems = [_describe(path, message, source, lines) for path, message in found]
+        if len(problems) == 1:
+            raise ConfigError(problems[0]) from exc
+        heading = f"{len(problems)} problems in the control plane configuration:"
+        raise ConfigError("\n  ".join([heading, *problems])) from exc
+
+
+def read(path: Path) -> str:
+    """The config file's text, or a ConfigError that names the file and why it cannot be read."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{path}: cannot read the config file: {reason}") from exc
 
 
 def load(path: Path) -> ControlConfig:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
-    return parse(text, str(path))
+    return parse(read(path), str(path))

@@ -1,0 +1,203 @@
+"""The command lines as an operator meets them: ``python -m control`` with a mistaken config exits 2 with
+one line naming the setting, its file and line, and what to do (never a traceback); ``ctl`` takes its
+global options on either side of the subcommand and exits 0, 1 (the operation failed) or 2 (usage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fleet_procs import ControlProcess, free_port
+
+MODEL = '[[models]]\nname = "m"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
+
+
+def start_control(config: Path, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run the control plane on ``config``; a mistake must end it at once (today's code served on
+    several of these and hit this bound, which kills it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "control", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def config_text(
+    state_dir: Path, *, agents: str = "", api: str = "127.0.0.1:0", router: str = "127.0.0.1:0"
+) -> str:
+    agents = agents or f"127.0.0.1:{free_port()}"
+    return f'state_dir = "{state_dir}"\n[listen]\nagents = "{agents}"\napi = "{api}"\nrouter = "{router}"\n'
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a start-up refused with status 2."""
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_malformed_listen_address_is_one_line_with_key_and_line(tmp_path: Path) -> None:
+    config = tmp_path / "llmgw.toml"
+    config.write_text(config_text(tmp_path / "state", router="8080") + MODEL)
+    line = one_line(start_control(config))
+    assert line == (
+        f"llmgw-control: listen.router: '8080' has no host; write HOST:PORT, e.g. '0.0.0.0:8080' "
+        f"(every interface) or '127.0.0.1:8080' (this machine only) ({config} line 5)"
+    )
+
+
+def test_rule_violations_name_their_own_lines(tmp_path: Path) -> None:
+    config = tmp_path / "llmgw.toml"
+    text = (
+        config_text(tmp_path / "state")
+        + "\n[liveness]\nunreachable_after = 15.0\n\n# no node is lost this way\nlost_after = -8.0\n"
+        + MODEL
+    )
+    assert text.splitlines()[10] == "lost_after = -8.0"
+    config.write_text(text)
+    assert one_line(start_control(config)) == (
+        f"llmgw-control: liveness.lost_after must be greater than 0, got -8.0 ({config} line 11)"
+    )
+    config.write_text("reconcile_interval = -1\n" + config_text(tmp_path / "state") + MODEL)
+    assert one_line(start_control(config)) == (
+        f"llmgw-control: reconcile_interval must be greater than 0, got -1.0 ({config} line 1)"
+    )
+
+
+def test_an_unknown_engine_names_the_closest_known_one(tmp_path: Path) -> None:
+    config = tmp_path / "llmgw.toml"
+    config.write_text(config_text(tmp_path / "state") + MODEL.replace('"sim"', '"sglng"'))
+    assert one_line(start_control(config)) == (
+        "llmgw-control: models[0].profile.engine: unknown engine 'sglng'; did you mean 'sglang'? "
+        f"known engines: vllm, sglang, llamacpp, trtllm, sim ({config} line 9)"
+    )
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A port some other program listens on (this test process)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(("key", "line"), [("agents", 3), ("api", 4), ("router", 5)])
+def test_a_port_in_use_names_the_listener_and_address(
+    tmp_path: Path, held_port: int, key: str, line: int
+) -> None:
+    config = tmp_path / "llmgw.toml"
+    config.write_text(config_text(tmp_path / "state", **{key: f"127.0.0.1:{held_port}"}) + MODEL)
+    assert one_line(start_control(config)) == (
+        f"llmgw-control: listen.{key}: 127.0.0.1:{held_port} is in use: another process holds port "
+        f"{held_port} ({config} line {line}); stop it (`ss -ltnp 'sport = :{held_port}'` names it) "
+        "or choose another port"
+    )
+
+
+def test_a_port_in_use_by_a_router_only_run(tmp_path: Path, held_port: int) -> None:
+    config = tmp_path / "llmgw.toml"
+    config.write_text(
+        f'[listen]\nrouter = "127.0.0.1:{held_port}"\n[[endpoints]]\nmodel = "m"\nurl = "http://127.0.0.1:9"\n'
+    )
+    line = one_line(start_control(config))
+    assert line.startswith(f"llmgw-control: listen.router: 127.0.0.1:{held_port} is in use"), line
+
+
+def test_an_unwritable_state_dir_is_refused_before_serving(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = tmp_path / "llmgw.toml"
+    config.write_text(config_text(blocker / "state") + MODEL)
+    assert one_line(start_control(config)) == (
+        f"llmgw-control: state_dir: cannot write {blocker / 'state'}: Not a directory ({config} line 1); "
+        f"make {blocker / 'state'} a directory this user (uid {os.geteuid()}) can write, or set state_dir to one"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_a_read_only_state_dir_is_refused_before_serving(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o500)
+    config = tmp_path / "llmgw.toml"
+    config.write_text(config_text(state) + MODEL)
+    line = one_line(start_control(config))
+    assert line.startswith(f"llmgw-control: state_dir: cannot write {state}/.llmgw-write-test-"), line
+    assert "Permission denied" in line and f"({config} line 1)" in line
+
+
+@pytest.fixture
+def control(tmp_path: Path) -> Iterator[ControlProcess]:
+    cp = ControlProcess(tmp_path / "cp", config_text(tmp_path / "state") + MODEL)
+    cp.start()
+    try:
+        yield cp
+    finally:
+        cp.terminate()
+
+
+def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "control", "ctl", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_ctl_global_options_go_before_or_after_the_subcommand(control: ControlProcess) -> None:
+    api = f"http://127.0.0.1:{control.api_port}"
+    for argv in (
+        ["--api", api, "--json", "nodes"],
+        ["--api", api, "nodes", "--json"],
+        ["nodes", "--json", "--api", api],
+        ["--json", "nodes", f"--api={api}"],
+    ):
+        result = ctl(*argv)
+        assert result.returncode == 0, (argv, result.stderr)
+        assert json.loads(result.stdout) == [], argv
+    result = ctl("replicas", "--api", api)
+    assert result.returncode == 0 and result.stdout.startswith("REPLICA"), result
+    # The model is placed nowhere (no agents), and why says so, with --json after its argument.
+    result = ctl("why", "m", "--json", "--api", api)
+    assert result.returncode == 0 and json.loads(result.stdout)["model"] == "m", result
+
+
+def test_ctl_a_failed_operation_is_status_1_naming_the_url(control: ControlProcess) -> None:
+    api = f"http://127.0.0.1:{control.api_port}"
+    result = ctl("why", "nosuch", "--api", api)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"ctl: GET {api}/api/why/nosuch: HTTP 404: no model 'nosuch' in the catalog; models: m"
+    ]
+
+
+def test_ctl_an_unreachable_api_is_status_1_naming_the_url() -> None:
+    api = f"http://127.0.0.1:{free_port()}"
+    result = ctl("nodes", "--api", api)
+    assert result.returncode == 1, result
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"ctl: cannot reach the control plane: GET {api}/api/nodes: "), lines[0]
+    assert lines[0].endswith("is it running, and is --api (or LLMGW_API) its admin API address?")
+
+
+def test_ctl_usage_mistakes_are_status_2() -> None:
+    for argv, says in [
+        (["--api", "127.0.0.1:7080", "nodes"], "--api '127.0.0.1:7080' is not the admin API's URL"),
+        (["nodes", "--api", "127.0.0.1:7080"], "--api '127.0.0.1:7080' is not the admin API's URL"),
+        (["nodes", "--jsn"], "unrecognized arguments: --jsn"),
+        ([], "the following arguments are required"),
+        (["nodez"], "invalid choice: 'nodez'"),
+        (["logs", "s", "--lines", "ten"], "invalid int value: 'ten'"),
+    ]:
+        result = ctl(*argv)
+        assert result.returncode == 2 and says in result.stderr, (argv, result)
+        assert "Traceback" not in result.stderr
