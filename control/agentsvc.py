@@ -155,7 +155,7 @@ class AgentService:
         async for msg in stream:
             now = self.clock()
             if msg.heartbeat is not None:
-                self.fleet.heartbeat(node_id, msg.heartbeat, now)
+                self.on_transitions(self.fleet.heartbeat(node_id, msg.heartbeat, now))
             elif msg.shard is not None:
                 self.fleet.shard_status(node_id, msg.shard)
                 self.on_change()

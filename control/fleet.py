@@ -5,9 +5,12 @@ A sans-IO state machine in h11's shape: events in (``registered``, ``heartbeat``
 liveness: a node whose clock is wrong must not look alive or dead because of it.
 
 States: ``ready`` -> ``unreachable`` (its stream closed, or no heartbeat within unreachable_after) ->
-``lost`` (unreachable for lost_after), and back to ``ready`` when it registers again. An unreachable
-node keeps its placements (its engines may well still be serving: the router talks to them directly);
-only a lost node gives them up. Every transition is recorded with its reason and time for ``ctl``.
+``lost`` (unreachable for lost_after), and back to ``ready`` when it registers again or, while its
+stream is still open, at its next heartbeat (an agent paused past unreachable_after, or a network that
+stalled without breaking the connection, resumes on the same authenticated stream and never registers
+again). An unreachable node keeps its placements (its engines may well still be serving: the router
+talks to them directly); only a lost node gives them up. Every transition is recorded with its reason
+and time for ``ctl``.
 """
 
 from __future__ import annotations
@@ -87,12 +90,23 @@ class Fleet:
             return []
         return [self._move(node, NodeState.READY, now, f"registered again after being {node.state.value}")]
 
-    def heartbeat(self, node_id: str, beat: schema.Heartbeat, now: float) -> None:
+    def heartbeat(self, node_id: str, beat: schema.Heartbeat, now: float) -> list[Transition]:
+        """A heartbeat on the node's current, authenticated stream (the caller guarantees both).
+
+        It proves the node alive now, so an unreachable or lost node is ready again at once: waiting
+        for a Register that an agent on an open stream never sends would leave it to be declared lost
+        (and its replicas moved off a healthy node) with a heartbeat age of zero.
+        """
         node = self.nodes.get(node_id)
         if node is None:
-            return
+            return []
+        silent = now - node.last_heartbeat
         node.last_heartbeat = now
         node.usage = {g.index: (g.memory_used_mib, g.utilization_percent) for g in beat.gpus}
+        if node.state is NodeState.READY or not node.connected:
+            return []
+        reason = f"heartbeat on its open stream after {silent:.1f} s of silence (was {node.state.value})"
+        return [self._move(node, NodeState.READY, now, reason)]
 
     def shard_status(self, node_id: str, status: schema.ShardStatus) -> None:
         node = self.nodes.get(node_id)

@@ -190,7 +190,8 @@ class ControlPlane:
         by_replica: dict[str, list[ShardAssignment]] = {}
         for node in self.fleet.nodes.values():
             for st in node.shards.values():
-                if st.state not in (State.STARTING, State.READY) or (node.node_id, st.shard_id) in known:
+                adoptable = st.state in (State.STARTING, State.READY, State.UNHEALTHY)
+                if not adoptable or (node.node_id, st.shard_id) in known:
                     continue
                 spec = st.spec
                 if spec is None or model_name_of(st.replica_id) not in self.models:

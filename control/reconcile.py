@@ -8,8 +8,19 @@ on the same input sends nothing new, so it can run on every change and on a time
   went unanswered for ``start_timeout``).
 - A shard that keeps failing is restarted with crash-loop backoff: 10 s, doubling to 5 min, reset after
   it stays ready for 10 min, so a model that cannot load does not hammer the node or its storage.
+  UNHEALTHY (ready once, its liveness probe now failing, the process still running) is live, so it is
+  never started a second time, and it is a failure: it is stopped at once and started again when the
+  backoff allows, as kubelet restarts a container whose liveness probe fails. One engine process
+  counts as one failure however many states it reports on its way out (UNHEALTHY, then FAILED).
 - A live shard that no placement wants is stopped. A shard that a draining node still runs is drained
   only once its replacement elsewhere is ready (replacements first), then stopped by the deadline.
+- The same holds for a READY shard left over on a node that was lost and came back after its replica
+  was placed elsewhere: it keeps serving (the router's fallback) until the new copy is ready, and is
+  stopped then, so each replica slot ends with exactly one engine. The new placement wins rather than
+  the old engine being adopted back: placements are stable (the plan never flips a replica back and
+  forth), the node has just proved unreliable, and the new copy may already be serving; the old one
+  bridges the gap, so no request is lost either way. A leftover that is not READY (still loading, or
+  unhealthy) is no use as a fallback and is stopped at once.
 - Shards reported by a registering agent count as observed: after a control plane restart they are
   adopted (the placement keeps them) rather than started again.
 """
@@ -25,7 +36,8 @@ from control.fleet import Node, NodeState
 from control.placement import Plan, ReplicaPlacement, ShardAssignment
 
 State = schema.ShardState
-LIVE = (State.STARTING, State.READY, State.DRAINING)
+#: States in which an engine process runs (the agent reports it alive); never start a second one.
+LIVE = (State.STARTING, State.READY, State.UNHEALTHY, State.DRAINING)
 
 
 @attrs.frozen
@@ -134,32 +146,49 @@ class Reconciler:
         if state in (State.STARTING, State.DRAINING):
             mem.started_at = None
             return []
-        if state == State.FAILED and observed is not None:
-            failure = (observed.pid, observed.exit_code, observed.error)
-            if failure != mem.last_failure:
-                mem.last_failure = failure
-                mem.failures += 1
-                mem.retry_at = now + self.backoff(mem.failures)
-                mem.started_at = None
-            if now < mem.retry_at:
-                return []
+        if state in (State.FAILED, State.UNHEALTHY) and observed is not None:
+            self._failed(mem, observed, now)
+        if state == State.UNHEALTHY:
+            # Live but failing its probes: stop it now (once per stop_grace + start_timeout, in case
+            # the stop is lost); the start waits for the backoff like any failure's.
+            if mem.stop_sent_at is None or now - mem.stop_sent_at >= self.stop_grace + self.start_timeout:
+                mem.stop_sent_at = now
+                return [Stop(node.node_id, shard.shard_id, self.stop_grace)]
+            return []
+        if now < mem.retry_at:
+            return []
         if mem.started_at is not None and now - mem.started_at < self.start_timeout:
             return []  # a start is on its way; do not send another before the agent answers
         mem.started_at = now
         return [Start(node.node_id, spec)]
 
+    def _failed(self, mem: _ShardMemory, observed: schema.ShardStatus, now: float) -> None:
+        """Count a failure once per engine process: by pid when there was one, else by its report."""
+        failure = (observed.pid, observed.exit_code, observed.error)
+        last = mem.last_failure
+        if failure == last or (last is not None and observed.pid and observed.pid == last[0]):
+            return
+        mem.last_failure = failure
+        mem.failures += 1
+        mem.retry_at = now + self.backoff(mem.failures)
+        mem.started_at = None
+        mem.stop_sent_at = None
+
     def _unwanted(
         self, node: Node, status: schema.ShardStatus, replica_ready: Mapping[str, bool], now: float
     ) -> list[Command]:
         mem = self.memory.setdefault((node.node_id, status.shard_id), _ShardMemory())
-        if node.draining and status.state != State.DRAINING:
-            # Replacements first: drain only once the replica runs ready elsewhere (or cannot).
-            if replica_ready.get(status.replica_id, True) and not mem.drained:
-                mem.drained = True
-                return [Drain(node.node_id, status.shard_id, self.drain_deadline)]
-            return []
+        # Replacements first: a READY engine whose replica is placed anew but not ready there yet is
+        # the router's fallback; it is drained or stopped once the replacement is ready (or when the
+        # replica is not placed at all any more).
+        fallback = status.state == State.READY and replica_ready.get(status.replica_id) is False
         if node.draining:
-            return []  # the agent stops it by the drain deadline
+            if status.state == State.DRAINING or mem.drained or fallback:
+                return []  # a drained shard is stopped by the agent at its deadline
+            mem.drained = True
+            return [Drain(node.node_id, status.shard_id, self.drain_deadline)]
+        if fallback:
+            return []
         if mem.stop_sent_at is not None and now - mem.stop_sent_at < self.stop_grace + self.start_timeout:
             return []
         mem.stop_sent_at = now

@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -186,5 +186,153 @@ def sim_processes(marker: str) -> list[int]:
     return sorted(pids)
 
 
+def engines_by_port(marker: str) -> dict[int, list[int]]:
+    """Live sim engines whose command line names ``marker``, by the port they serve on (``--port``)."""
+    out: dict[int, list[int]] = {}
+    for pid in sim_processes(marker):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            port = int(argv[argv.index(b"--port") + 1])
+        except (OSError, ValueError, IndexError):
+            continue
+        out.setdefault(port, []).append(pid)
+    return out
+
+
 def poll(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
     return wait_for(what, check, timeout=timeout, interval=0.2)
+
+
+# -- a whole fleet: one control plane, agents of a layout, the test catalog ------------------------------
+
+CHAT = "chat-{tag}"
+BIG = "big-{tag}"
+
+
+def catalog(tag: str, state_dir: Path, extra: str = "", chat_extra: str = "") -> str:
+    return f"""
+state_dir = "{state_dir}"
+reconcile_interval = 0.3
+backoff_initial = 0.5
+stop_grace = 3
+drain_deadline = 5
+[engines]
+ports = "20000-29999"
+[listen]
+agents = "127.0.0.1:{free_port()}"
+api = "127.0.0.1:0"
+router = "127.0.0.1:0"
+[liveness]
+unreachable_after = 1.5
+lost_after = 4.0
+startup_grace = 8.0
+{extra}
+[[models]]
+name = "{BIG.format(tag=tag)}"
+replicas = 1
+nodes_per_replica = 2
+[models.gpus]
+count = 8
+min_memory_gib = 70
+min_compute_capability = "9.0"
+[models.profile]
+engine = "vllm"
+model = "meta-llama/Llama-3.1-405B-Instruct"
+served_model_name = "{BIG.format(tag=tag)}"
+tensor_parallel_size = 8
+pipeline_parallel_size = 2
+dtype = "bfloat16"
+env = {{ LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
+
+[[models]]
+name = "{CHAT.format(tag=tag)}"
+replicas = 2
+{chat_extra}
+[models.gpus]
+count = 2
+[models.profile]
+engine = "vllm"
+model = "meta-llama/Llama-3.1-8B-Instruct"
+served_model_name = "{CHAT.format(tag=tag)}"
+tensor_parallel_size = 2
+dtype = "bfloat16"
+env = {{ LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
+"""
+
+
+class Fleet:
+    def __init__(
+        self,
+        tmp: Path,
+        tag: str,
+        layout: list[tuple[str, str, str, str]],
+        extra: str = "",
+        chat_extra: str = "",
+    ) -> None:
+        self.tag = tag
+        self.cp = ControlProcess(tmp / "cp", catalog(tag, tmp / "cp" / "state", extra, chat_extra))
+        self.layout = layout
+        self.tmp = tmp
+        self.agents: dict[str, Agent] = {}
+
+    def start(
+        self,
+        agent_extra: Mapping[str, tuple[str, ...]] | None = None,
+        scheme: str = "http",
+        only: set[str] | None = None,
+    ) -> None:
+        """Start the control plane (once) and the agents of the layout (or only those named)."""
+        if self.cp.proc is None:
+            self.cp.start()
+        for index, (node_id, inventory, fabric, addr) in enumerate(self.layout):
+            if node_id in self.agents or (only is not None and node_id not in only):
+                continue
+            # All "nodes" share this machine, so each gets its own engine port range.
+            first = 21000 + 100 * index
+            agent = Agent(
+                self.tmp / "agents",
+                node_id,
+                f"{scheme}://127.0.0.1:{self.cp.agent_port}",
+                inventory,
+                f"{fabric}:mlx5_0:1,{fabric}:mlx5_1:1",
+                addr,
+                extra=(
+                    "--engine-ports",
+                    f"{first}-{first + 99}",
+                    "--mgmt-interface",
+                    "lo",
+                    *(agent_extra or {}).get(node_id, ()),
+                ),
+            )
+            agent.start()
+            self.agents[node_id] = agent
+
+    def stop(self) -> None:
+        """End the control plane, the agents (resumed first, should a test have paused one) and every
+        engine of this fleet's models: those its agents recorded, then any other with its markers (an
+        engine whose record a fault test made its agent lose is still this test's)."""
+        self.cp.terminate()
+        for agent in self.agents.values():
+            if agent.proc is not None and agent.proc.poll() is None:
+                os.kill(agent.proc.pid, signal.SIGCONT)
+            agent.stop_all()
+        for marker in (CHAT.format(tag=self.tag), BIG.format(tag=self.tag)):
+            for pid in sim_processes(marker):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def replicas(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.cp.api("/api/replicas") if r["model"] == model]
+
+    def ready_replicas(self, model: str, count: int) -> list[dict[str, Any]] | None:
+        reps = [r for r in self.replicas(model) if r["state"] == "ready"]
+        return reps if len(reps) >= count else None
+
+
+LAYOUT_A = [
+    ("gpu01", "h100x8.toml", "ib-a", "127.0.0.1"),
+    ("gpu02", "h100x4.toml", "ib-a", "127.0.0.2"),
+    ("gpu03", "h100x8.toml", "ib-b", "127.0.0.3"),
+]

@@ -8,134 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import trustme
 
-from tests.fleet_procs import Agent, ControlProcess, free_port, pid_alive, poll, sim_processes
-
-CHAT = "chat-{tag}"
-BIG = "big-{tag}"
-
-
-def catalog(tag: str, state_dir: Path, extra: str = "", chat_extra: str = "") -> str:
-    return f"""
-state_dir = "{state_dir}"
-reconcile_interval = 0.3
-backoff_initial = 0.5
-stop_grace = 3
-drain_deadline = 5
-[engines]
-ports = "20000-29999"
-[listen]
-agents = "127.0.0.1:{free_port()}"
-api = "127.0.0.1:0"
-router = "127.0.0.1:0"
-[liveness]
-unreachable_after = 1.5
-lost_after = 4.0
-startup_grace = 8.0
-{extra}
-[[models]]
-name = "{BIG.format(tag=tag)}"
-replicas = 1
-nodes_per_replica = 2
-[models.gpus]
-count = 8
-min_memory_gib = 70
-min_compute_capability = "9.0"
-[models.profile]
-engine = "vllm"
-model = "meta-llama/Llama-3.1-405B-Instruct"
-served_model_name = "{BIG.format(tag=tag)}"
-tensor_parallel_size = 8
-pipeline_parallel_size = 2
-dtype = "bfloat16"
-env = {{ LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
-
-[[models]]
-name = "{CHAT.format(tag=tag)}"
-replicas = 2
-{chat_extra}
-[models.gpus]
-count = 2
-[models.profile]
-engine = "vllm"
-model = "meta-llama/Llama-3.1-8B-Instruct"
-served_model_name = "{CHAT.format(tag=tag)}"
-tensor_parallel_size = 2
-dtype = "bfloat16"
-env = {{ LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
-"""
-
-
-class Fleet:
-    def __init__(
-        self,
-        tmp: Path,
-        tag: str,
-        layout: list[tuple[str, str, str, str]],
-        extra: str = "",
-        chat_extra: str = "",
-    ) -> None:
-        self.tag = tag
-        self.cp = ControlProcess(tmp / "cp", catalog(tag, tmp / "cp" / "state", extra, chat_extra))
-        self.layout = layout
-        self.tmp = tmp
-        self.agents: dict[str, Agent] = {}
-
-    def start(
-        self,
-        agent_extra: dict[str, tuple[str, ...]] | None = None,
-        scheme: str = "http",
-        only: set[str] | None = None,
-    ) -> None:
-        """Start the control plane (once) and the agents of the layout (or only those named)."""
-        if self.cp.proc is None:
-            self.cp.start()
-        for index, (node_id, inventory, fabric, addr) in enumerate(self.layout):
-            if node_id in self.agents or (only is not None and node_id not in only):
-                continue
-            # All "nodes" share this machine, so each gets its own engine port range.
-            first = 21000 + 100 * index
-            agent = Agent(
-                self.tmp / "agents",
-                node_id,
-                f"{scheme}://127.0.0.1:{self.cp.agent_port}",
-                inventory,
-                f"{fabric}:mlx5_0:1,{fabric}:mlx5_1:1",
-                addr,
-                extra=(
-                    "--engine-ports",
-                    f"{first}-{first + 99}",
-                    "--mgmt-interface",
-                    "lo",
-                    *(agent_extra or {}).get(node_id, ()),
-                ),
-            )
-            agent.start()
-            self.agents[node_id] = agent
-
-    def stop(self) -> None:
-        self.cp.terminate()
-        for agent in self.agents.values():
-            agent.stop_all()
-
-    def replicas(self, model: str) -> list[dict[str, object]]:
-        return [r for r in self.cp.api("/api/replicas") if r["model"] == model]
-
-    def ready_replicas(self, model: str, count: int) -> list[dict[str, object]] | None:
-        reps = [r for r in self.replicas(model) if r["state"] == "ready"]
-        return reps if len(reps) >= count else None
-
-
-LAYOUT_A = [
-    ("gpu01", "h100x8.toml", "ib-a", "127.0.0.1"),
-    ("gpu02", "h100x4.toml", "ib-a", "127.0.0.2"),
-    ("gpu03", "h100x8.toml", "ib-b", "127.0.0.3"),
-]
+from tests.fleet_procs import (
+    BIG,
+    CHAT,
+    LAYOUT_A,
+    Agent,
+    ControlProcess,
+    Fleet,
+    free_port,
+    pid_alive,
+    poll,
+    sim_processes,
+)
 
 
 @pytest.fixture
@@ -151,7 +42,7 @@ def test_two_replicas_ready_and_a_cross_fabric_model_explained(fleet_a: Fleet) -
     big = BIG.format(tag="a")
     ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
     for replica in ready:
-        for shard in replica["shards"]:  # type: ignore[attr-defined]
+        for shard in replica["shards"]:
             answer = httpx.post(
                 f"{shard['url']}/v1/completions",
                 json={"model": chat, "prompt": "hi", "max_tokens": 4},
@@ -185,7 +76,7 @@ def test_two_replicas_ready_and_a_cross_fabric_model_explained(fleet_a: Fleet) -
 def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None:
     chat = CHAT.format(tag="a")
     ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
-    victim = ready[0]["shards"][0]["node_id"]  # type: ignore[index]
+    victim = ready[0]["shards"][0]["node_id"]
     fleet_a.agents[victim].kill9()
 
     def node_state(state: str) -> bool:
@@ -193,7 +84,7 @@ def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None
 
     poll(f"{victim} unreachable", lambda: node_state("unreachable"))
     # Its engine keeps serving through the router while the agent is unreachable.
-    served_by_victim = ready[0]["shards"][0]["url"]  # type: ignore[index]
+    served_by_victim = ready[0]["shards"][0]["url"]
     assert httpx.get(f"{served_by_victim}/health", timeout=5).status_code == 200
     router = f"http://127.0.0.1:{fleet_a.cp.router_port}/v1/completions"
     for _ in range(4):
@@ -201,9 +92,9 @@ def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None
         assert answer.status_code == 200
     poll(f"{victim} lost", lambda: node_state("lost"))
 
-    def moved() -> list[dict[str, object]] | None:
+    def moved() -> list[dict[str, Any]] | None:
         reps = fleet_a.ready_replicas(chat, 2)
-        if reps and all(s["node_id"] != victim for r in reps for s in r["shards"]):  # type: ignore[attr-defined]
+        if reps and all(s["node_id"] != victim for r in reps for s in r["shards"]):
             return reps
         return None
 
@@ -248,7 +139,7 @@ def test_multinode_model_placed_on_a_shared_fabric(tmp_path: Path) -> None:
     try:
         big = BIG.format(tag="b")
         replica = poll(f"{big} ready across two nodes", lambda: fleet.ready_replicas(big, 1))[0]
-        shards = sorted(replica["shards"], key=lambda s: s["node_rank"])  # type: ignore[arg-type,index]
+        shards = sorted(replica["shards"], key=lambda s: s["node_rank"])
         assert replica["fabric"] == "ib-a"
         assert {s["node_id"] for s in shards} == {"gpu01", "gpu04"}
         assert [s["node_rank"] for s in shards] == [0, 1] and all(s["nnodes"] == 2 for s in shards)
@@ -338,7 +229,7 @@ require_client_cert = true
 def test_ctl_logs_and_drain_moves_replicas_first(fleet_a: Fleet) -> None:
     chat = CHAT.format(tag="a")
     ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
-    shard = ready[0]["shards"][0]  # type: ignore[index]
+    shard = ready[0]["shards"][0]
     logs = fleet_a.cp.ctl("logs", shard["shard_id"], "-n", "50")
     assert logs.returncode == 0, logs.stderr
     assert "sim: ready on port" in logs.stdout  # the engine's own output, fetched over the stream
@@ -348,9 +239,9 @@ def test_ctl_logs_and_drain_moves_replicas_first(fleet_a: Fleet) -> None:
     drained = fleet_a.cp.ctl("drain", node)
     assert drained.returncode == 0 and "draining" in drained.stdout
 
-    def moved() -> list[dict[str, object]] | None:
+    def moved() -> list[dict[str, Any]] | None:
         reps = fleet_a.ready_replicas(chat, 2)
-        if reps and all(s["node_id"] != node for r in reps for s in r["shards"]):  # type: ignore[attr-defined]
+        if reps and all(s["node_id"] != node for r in reps for s in r["shards"]):
             return reps
         return None
 
@@ -413,7 +304,7 @@ ports = "21000-21099"
         )
         agent.start()
 
-        def two_ready() -> list[dict[str, object]] | None:
+        def two_ready() -> list[dict[str, Any]] | None:
             reps = [r for r in cp.api("/api/replicas") if r["state"] == "ready"]
             return reps if len(reps) == 2 else None
 

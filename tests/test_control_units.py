@@ -265,3 +265,77 @@ def test_ctl_replicas_shows_a_failed_engines_output_tail() -> None:
     assert "killed by SIGKILL after it was ready; retry in 2.5s (failures: 1)" in text
     assert "tiny-r0-s0 output (last 1 lines):\n  | srv  update_slots: all slots are idle" in text
     assert "not shown" not in text
+
+
+def test_a_heartbeat_on_the_open_stream_makes_a_silent_node_ready_at_once() -> None:
+    fleet = Fleet(unreachable_after=1.5, lost_after=4)
+    fleet.registered(reg("n1"), now=0)
+    beat = schema.Heartbeat(node_id="n1")
+    [t] = fleet.tick(now=2)
+    assert t.new is NodeState.UNREACHABLE
+    [t] = fleet.heartbeat("n1", beat, now=3)
+    assert t.new is NodeState.READY and t.reason == (
+        "heartbeat on its open stream after 3.0 s of silence (was unreachable)"
+    )
+    assert fleet.heartbeat("n1", beat, now=3.2) == []
+    # Past lost_after too: a node that comes back on the same stream is ready, not lost forever.
+    fleet.tick(now=5)
+    [t] = fleet.tick(now=9.5)
+    assert t.new is NodeState.LOST
+    [t] = fleet.heartbeat("n1", beat, now=12)
+    assert t.new is NodeState.READY and "(was lost)" in t.reason
+    assert [h.new for h in fleet.nodes["n1"].history] == [
+        "ready",
+        "unreachable",
+        "ready",
+        "unreachable",
+        "lost",
+        "ready",
+    ]
+    # A closed stream is not revived by a late heartbeat; only a new Register does that.
+    fleet.disconnected("n1", now=13, reason="eof")
+    assert fleet.heartbeat("n1", beat, now=13.1) == []
+    assert fleet.nodes["n1"].state is NodeState.UNREACHABLE
+
+
+def test_unhealthy_is_stopped_at_once_and_started_after_the_backoff() -> None:
+    fleet = Fleet(15, 300)
+    fleet.registered(reg("n1", status(State.UNHEALTHY, pid=7)), now=0)
+    r = Reconciler(backoff_initial=10, stop_grace=5, start_timeout=30)
+    specs = {"m-r0-s0": spec()}
+    # Live: never a second engine; a failure: stopped now.
+    assert r.step(placement(), fleet.nodes, specs, now=0) == [Stop("n1", "m-r0-s0", 5)]
+    assert r.step(placement(), fleet.nodes, specs, now=1) == []
+    assert r.failures("n1", "m-r0-s0") == 1 and r.retry_at("n1", "m-r0-s0") == 10
+    # The same process reported FAILED as it goes is the same failure, not a second one.
+    fleet.shard_status("n1", status(State.FAILED, pid=7))
+    assert r.step(placement(), fleet.nodes, specs, now=2) == []
+    assert r.failures("n1", "m-r0-s0") == 1
+    fleet.shard_status("n1", status(State.STOPPED, pid=7))
+    assert r.step(placement(), fleet.nodes, specs, now=9) == []
+    assert r.step(placement(), fleet.nodes, specs, now=10) == [Start("n1", spec())]
+    # The next engine fails its probes too: stopped again, and the backoff doubles.
+    fleet.shard_status("n1", status(State.READY, pid=8))
+    r.step(placement(), fleet.nodes, specs, now=11)
+    fleet.shard_status("n1", status(State.UNHEALTHY, pid=8))
+    assert r.step(placement(), fleet.nodes, specs, now=12) == [Stop("n1", "m-r0-s0", 5)]
+    assert r.retry_at("n1", "m-r0-s0") == 32
+
+
+def test_a_leftover_engine_serves_until_the_replacement_is_ready_then_stops() -> None:
+    """n1 was lost, its replica placed on n2 meanwhile; n1 comes back still running the old engine."""
+    fleet = Fleet(15, 300)
+    fleet.registered(reg("n1", status(State.READY, pid=1, shard="m-r0-s0-aaaaaa")), now=0)
+    fleet.registered(reg("n2"), now=0)
+    r = Reconciler(stop_grace=5)
+    moved = placement(node="n2", shard="m-r0-s0-bbbbbb")
+    specs = {"m-r0-s0-bbbbbb": spec("m-r0-s0-bbbbbb")}
+    assert r.step(moved, fleet.nodes, specs, now=1) == [Start("n2", spec("m-r0-s0-bbbbbb"))]
+    fleet.shard_status("n2", status(State.STARTING, pid=2, shard="m-r0-s0-bbbbbb"))
+    assert r.step(moved, fleet.nodes, specs, now=2) == []  # the old engine is the fallback
+    fleet.shard_status("n2", status(State.READY, pid=2, shard="m-r0-s0-bbbbbb"))
+    assert r.step(moved, fleet.nodes, specs, now=3) == [Stop("n1", "m-r0-s0-aaaaaa", 5)]
+    # A leftover that is not ready is no fallback: stopped at once, replacement ready or not.
+    fleet.registered(reg("n3", status(State.UNHEALTHY, pid=3, shard="m-r0-s0-cccccc")), now=4)
+    fleet.shard_status("n2", status(State.STARTING, pid=4, shard="m-r0-s0-bbbbbb"))
+    assert Stop("n3", "m-r0-s0-cccccc", 5) in r.step(moved, fleet.nodes, specs, now=5)
