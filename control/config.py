@@ -6,6 +6,8 @@
 
     api_keys = ["sk-..."]          # optional: bearer keys the router accepts
     router_coalesce_us = 500       # streamed tokens arriving within this share a relay wake-up
+    router_response_timeout = 300.0     # an engine's first response byte, or 504 and it is ejected
+    router_stream_idle_timeout = 60.0   # an engine's longest silence mid-response, or an error event
 
     [listen]
     agents = "0.0.0.0:7070"        # agent streams: gRPC, Connect and WebSocket on one port
@@ -71,6 +73,7 @@ from cattrs.v import format_exception
 
 import schema
 from control.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
+from control.router import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
 
 
 class ConfigError(Exception):
@@ -416,6 +419,11 @@ class ControlConfig:
     api_keys: tuple[str, ...] = ()
     #: The router's relay pump pause after each wake-up, in microseconds (control/relay.py).
     router_coalesce_us: int = attrs.field(default=DEFAULT_COALESCE_US, validator=_coalesce)
+    #: The router's wait for an engine's first response byte, and the longest silence of an engine
+    #: once its response began, in seconds; past either the request ends (504, or an error event
+    #: mid-stream) and the replica is ejected. Why these defaults: control/router.py.
+    router_response_timeout: float = attrs.field(default=DEFAULT_RESPONSE_TIMEOUT, validator=_positive)
+    router_stream_idle_timeout: float = attrs.field(default=DEFAULT_STREAM_IDLE_TIMEOUT, validator=_positive)
     #: Seconds between SIGTERM and SIGKILL in StopShard; drain deadline for `ctl drain`.
     stop_grace: float = attrs.field(default=30.0, validator=_positive)
     drain_deadline: float = attrs.field(default=60.0, validator=_positive)

@@ -40,6 +40,16 @@ fresh one and not counted. ``eject_after`` consecutive failures eject an upstrea
 more failure ejects it again, and one success clears the record. When every upstream of a model is
 ejected they are tried anyway: refusing outright would turn a blip into an outage.
 
+Silent engines. An engine that accepted a request and went quiet (hung, SIGSTOPped, a black hole)
+is cut off: ``response_timeout`` bounds the wait for its first response byte, and
+``stream_idle_timeout`` the silence after that. One task, the stall watch, checks every request in
+flight a few times per timeout against its engine socket's counters, which the kernel keeps
+anyway (``tcp_progress``), so neither pump does any per-chunk bookkeeping for it. A timeout
+before anything reached the client is a 504 naming the replica and the wait; one mid-stream ends
+the stream with an SSE error event and the chunked body's end. Either way the replica is ejected
+at once and the request is not retried (its client has waited the whole timeout; see
+``_timed_out``).
+
 Cancellation. The client connection's watcher task waits for the client to hang up
 (``control.http1.ClientConn``); a hang-up during a response means the client left, and the
 upstream connection is closed at once instead of going back to the pool, which is how an engine
@@ -47,7 +57,8 @@ upstream connection is closed at once instead of going back to the pool, which i
 
 Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 bad JSON or no model,
 401 bad or missing bearer key (when keys are configured), 404 unknown model (naming the known ones),
-503 no ready replica (with placement's reason), 502 every attempted upstream failed.
+503 no ready replica (with placement's reason), 502 every attempted upstream failed, 504 the
+engine went silent (``_timed_out``).
 ``GET /metrics`` (Prometheus text) and ``GET /health`` need no key.
 
 No global state: every counter, pool and table belongs to one ``Router``.
@@ -57,19 +68,23 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fcntl
 import hashlib
 import hmac
 import json
 import logging
 import os
 import random
+import select
 import socket
+import struct
 import sys
+import termios
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -386,8 +401,10 @@ class Balancer:
         h.failures = 0
         h.ejections = 0
 
-    def failed(self, upstream: Upstream, now: float, error: str) -> float | None:
+    def failed(self, upstream: Upstream, now: float, error: str, *, at_once: bool = False) -> float | None:
         """Record a failure; returns the ejection's length in seconds when this one ejects it.
+        ``at_once``: a failure that ejects without waiting for ``eject_after`` of them (a timeout:
+        the next request sent there would wait as long).
 
         Failures of requests that were already in flight when the upstream was ejected do not
         count again: a burst against a dead engine is one ejection, not an escalating series."""
@@ -396,7 +413,7 @@ class Balancer:
         if h.ejected_until > now:
             return None
         h.failures += 1
-        threshold = 1 if h.ejections else self.eject_after
+        threshold = 1 if h.ejections or at_once else self.eject_after
         if h.failures < threshold:
             return None
         h.ejections += 1
@@ -514,6 +531,11 @@ class ChunkedScanner:
         """(state, bytes left in the chunk or its CRLF, partial line): what the native relay pump
         takes over to go on scanning where this left off."""
         return self._state, self._remaining, self._line
+
+    @property
+    def at_chunk_end(self) -> bool:
+        """What was fed so far ends with a whole chunk: another chunk may follow it."""
+        return self._state == self._SIZE and not self._line
 
     def feed(self, data: bytes) -> int:
         i, n = 0, len(data)
@@ -729,6 +751,106 @@ class _Pool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Silent engines: the response and stream idle timeouts
+
+#: Until an engine's first response byte, from sending it the request. A non-streamed answer's
+#: head comes only once the whole answer is generated, after any wait in the engine's queue: on a
+#: busy engine a long answer takes minutes (4096 tokens at 20 a second is 205 s). Five minutes
+#: lets that through and still frees a request that an engine accepted and never answered.
+DEFAULT_RESPONSE_TIMEOUT = 300.0
+#: The longest silence of an engine once its response has begun. Tokens come every few tens of
+#: milliseconds, so a minute without a byte is a hung engine rather than a slow one; a minute is
+#: also nginx's proxy_read_timeout, the figure operators know. vLLM, SGLang and llama.cpp send a
+#: stream's head before its first token, so for a stream this also bounds the wait in the
+#: engine's queue: where queues hold requests longer than a minute, raise it.
+DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
+
+#: struct tcp_info (linux/tcp.h) up to tcpi_bytes_received (Linux 4.1), and the offsets read.
+_TCP_INFO_SIZE = 136
+_LAST_DATA_RECV = 52  # __u32, milliseconds since data last arrived
+_BYTES_RECEIVED = 128  # __u64
+
+
+def tcp_progress(sock: socket.socket) -> tuple[int, float] | None:
+    """(bytes the kernel has received on ``sock``, seconds since data last arrived), from
+    ``TCP_INFO``; None when that cannot be read (the socket closed, or not TCP).
+
+    Why the kernel's counters: the streamed body is relayed by the pump, natively by a C thread
+    that never reports progress per chunk, and counting or re-arming a timer per token in Python
+    is what the pump exists to avoid. The kernel keeps both figures per socket anyway, so the
+    stall watch reads them once per tick per request in flight, and the relay path pays nothing."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_SIZE:
+        return None
+    (quiet_ms,) = struct.unpack_from("=I", info, _LAST_DATA_RECV)
+    (received,) = struct.unpack_from("=Q", info, _BYTES_RECEIVED)
+    return received, quiet_ms / 1000
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock``'s receive queue (0 when that cannot be read)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
+    except OSError:
+        return 0
+
+
+def _writable(fd: int) -> bool:
+    """Whether the client's socket would take bytes now (or has failed, which the next write
+    will find): when it would not, its reader is what holds the stream up."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return bool(poller.poll(0))
+
+
+class _Watch:
+    """One attempt's engine connection, as the stall watch (``Router._watch_stalls``) sees it.
+    ``fired`` says which timeout cut it off ("head" or "idle"), ``waited`` after how long."""
+
+    __slots__ = ("baseline", "client_fd", "fired", "got_bytes", "scope", "since", "sock", "waited")
+
+    def __init__(self, client_fd: int) -> None:
+        self.client_fd = client_fd
+        self.scope = trio.CancelScope()
+        self.sock: socket.socket | None = None
+        self.since = 0.0
+        self.baseline = 0
+        self.got_bytes = False
+        self.fired = ""
+        self.waited = 0.0
+
+    def arm(self, sock: socket.socket, now: float) -> None:
+        """Watch ``sock`` from ``now`` on; called before the request goes out on it, so that any
+        byte received after this is the engine's answer to it."""
+        progress = tcp_progress(sock)
+        self.sock = sock if progress is not None else None
+        self.baseline = progress[0] if progress is not None else 0
+        self.since = now
+        self.got_bytes = False
+
+
+def stall(
+    *,
+    waited: float,
+    got_bytes: bool,
+    quiet: float,
+    response_timeout: float,
+    idle_timeout: float,
+) -> str:
+    """Which timeout an engine connection has run past: "head" (no byte of the response
+    ``waited`` seconds after the request), "idle" (the response began and nothing came for
+    ``quiet`` seconds), or "" (neither). The caller confirms "idle" against the sockets first:
+    bytes unread on the router's side, or a client not reading, mean the silence is not the
+    engine's."""
+    if not got_bytes:
+        return "head" if waited >= response_timeout else ""
+    return "idle" if quiet >= idle_timeout else ""
+
+
+# ---------------------------------------------------------------------------------------------
 # Metrics
 
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -883,6 +1005,11 @@ class _Exchange:
     head_sent: bool = False
     #: The response went out whole, framed so that the connection can carry another.
     complete: bool = False
+    #: The request asked for a streamed (SSE) answer.
+    stream: bool = False
+    #: While the client's body is chunked: whether what it got so far ends with a whole chunk,
+    #: so that an error event and the last chunk can still be appended (see ``_timed_out``).
+    at_chunk_end: Callable[[], bool] | None = None
 
     @property
     def fd(self) -> int:
@@ -896,9 +1023,9 @@ class Router:
     Tunables: ``affinity_chars`` (prompt prefix length for affinity), ``affinity_slack`` (how many
     more outstanding requests than the least loaded upstream the preferred one may have),
     ``max_attempts`` (replicas tried per request), ``eject_after``/``eject_base``/``eject_max``
-    (ejection), ``connect_timeout``, ``response_timeout`` (until the response head; None: no limit,
-    since a queued LLM request may wait long for its first token; with a limit, heads are read
-    by the response's task, where the limit applies, rather than by the relay pump), ``pool_max_idle`` and
+    (ejection), ``connect_timeout``, ``response_timeout`` (from sending the request until the
+    engine's first response byte) and ``stream_idle_timeout`` (the longest silence once the
+    response began; see ``DEFAULT_RESPONSE_TIMEOUT`` and ``_timed_out``), ``pool_max_idle`` and
     ``pool_idle_timeout`` (below the engines' keep-alive timeout: uvicorn's is 5 s),
     ``client_idle_timeout`` (an idle client connection is closed after it), ``max_body_bytes``,
     ``relay_coalesce_us`` (the native relay pump's pause after each wake-up, so that the tokens
@@ -918,7 +1045,8 @@ class Router:
         eject_base: float = 10.0,
         eject_max: float = 300.0,
         connect_timeout: float = 5.0,
-        response_timeout: float | None = None,
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
+        stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
         pool_max_idle: int = 1024,
         pool_idle_timeout: float = 4.0,
         client_idle_timeout: float = 300.0,
@@ -930,7 +1058,18 @@ class Router:
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.affinity_chars = affinity_chars
         self.max_attempts = max(1, max_attempts)
+        for name, value in (
+            ("response_timeout", response_timeout),
+            ("stream_idle_timeout", stream_idle_timeout),
+        ):
+            if not value > 0:  # also refuses NaN
+                raise ValueError(f"the router's {name} must be more than 0 seconds, got {value}")
         self.response_timeout = response_timeout
+        self.stream_idle_timeout = stream_idle_timeout
+        # The stall watch's period: a tenth of the shorter timeout, so a timeout fires within
+        # 10% of its length, and at most a second (a tick costs a getsockopt per request in flight).
+        self.stall_tick = min(1.0, max(0.01, min(response_timeout, stream_idle_timeout) / 10))
+        self._watches: set[_Watch] = set()
         self.client_idle_timeout = client_idle_timeout
         self.max_body_bytes = max_body_bytes
         self.clock = clock
@@ -955,6 +1094,7 @@ class Router:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._housekeeping)
+                nursery.start_soon(self._watch_stalls)
                 await nursery.start(self.pump.run)
                 await nursery.start(trio.serve_listeners, self._handle_connection, listeners)
                 task_status.started(bound)
@@ -974,6 +1114,45 @@ class Router:
             now = self.clock()
             self.pool.sweep(now, live)
             self.balancer.prune(live, now)
+
+    async def _watch_stalls(self) -> None:
+        """Cut off engines that went silent: every ``stall_tick`` seconds, each request in flight
+        to an engine is checked against the response and stream idle timeouts (``stall``), from
+        its socket's counters (``tcp_progress``), and one past either has its attempt's scope
+        cancelled (``_attempt`` then answers the client). A stalled engine needs no cooperation:
+        a SIGSTOPped process or one that accepted and never answered looks the same."""
+        while True:
+            await trio.sleep(self.stall_tick)
+            now = self.clock()
+            for watch in list(self._watches):
+                if watch.sock is None or watch.fired:
+                    continue
+                verdict = self._stalled(watch, now)
+                if verdict:
+                    watch.fired = verdict
+                    watch.scope.cancel()
+
+    def _stalled(self, watch: _Watch, now: float) -> str:
+        sock = watch.sock
+        assert sock is not None
+        progress = tcp_progress(sock)
+        if progress is None:
+            return ""
+        received, quiet = progress
+        if received != watch.baseline:
+            watch.got_bytes = True
+        waited = now - watch.since
+        verdict = stall(
+            waited=waited,
+            got_bytes=watch.got_bytes,
+            quiet=quiet,
+            response_timeout=self.response_timeout,
+            idle_timeout=self.stream_idle_timeout,
+        )
+        if verdict == "idle" and (_unread(sock) or not _writable(watch.client_fd)):
+            return ""  # bytes wait for the router, or the client does not read: not the engine
+        watch.waited = waited if verdict == "head" else quiet
+        return verdict
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
         reader = RequestReader(max_body=self.max_body_bytes)
@@ -1141,6 +1320,7 @@ class Router:
                 "model_not_found",
             )
         ex.model = model
+        ex.stream = doc.get("stream") is True
         if not routes.upstreams:
             why = routes.reason or "no replica is ready"
             raise RouterError(
@@ -1202,7 +1382,23 @@ class Router:
     async def _attempt(self, ex: _Exchange, upstream: Upstream, *, last: bool) -> str | None:
         """Send the request to one upstream. Returns None once a response went to the client (its
         status may be anything the engine said), or the failure when nothing did and another
-        replica may be tried."""
+        replica may be tried. An engine that stays silent past the response or stream idle
+        timeout is cut off by the stall watch (``_watch_stalls``), which cancels this scope;
+        ``_timed_out`` then answers for it."""
+        watch = _Watch(ex.fd)
+        with watch.scope:
+            self._watches.add(watch)
+            try:
+                return await self._try_upstream(ex, upstream, watch, last=last)
+            finally:
+                self._watches.discard(watch)
+        # Only the stall watch cancels this scope (the client leaving cancels an outer one, and
+        # that cancellation goes on through this scope), so the engine was too slow.
+        await self._timed_out(ex, upstream, watch)
+
+    async def _try_upstream(
+        self, ex: _Exchange, upstream: Upstream, watch: _Watch, *, last: bool
+    ) -> str | None:
         balancer = self.balancer
         balancer.begin(upstream)
         conn: _UpstreamConn | None = None
@@ -1212,11 +1408,9 @@ class Router:
             except ValueError as exc:
                 return self._failed(upstream, UpstreamError("connect", str(exc)))
             request = self._upstream_request(ex, target)
-            # The native pump relays the usual streamed response from its head on (see _respond_whole);
-            # with a response timeout, the head is waited for here, where the timeout applies.
-            whole = (
-                isinstance(self.pump, NativeRelayPump) and ex.request.http11 and self.response_timeout is None
-            )
+            # The native pump relays the usual streamed response from its head on (see
+            # _respond_whole); the timeouts apply to it from outside (the stall watch).
+            whole = isinstance(self.pump, NativeRelayPump) and ex.request.http11
             head: ResponseHead | None = None
             buf = b""
             for fresh in (False, True):
@@ -1225,6 +1419,7 @@ class Router:
                 try:
                     if conn is None:
                         conn = await self.pool.connect(upstream.url)
+                    watch.arm(conn.sock, self.clock())
                     await conn.send_all(request)
                     if whole:
                         answer = await self._respond_whole(ex, conn, upstream)
@@ -1234,13 +1429,10 @@ class Router:
                                 conn = None
                             return None
                         buf = answer.handed_back
-                    if self.response_timeout is None:
-                        head, buf = await self._read_head(conn, buf)
-                    else:
-                        with trio.fail_after(self.response_timeout):
-                            head, buf = await self._read_head(conn, buf)
+                    head, buf = await self._read_head(conn, buf)
                     break
                 except (OSError, trio.TooSlowError, UpstreamError, EngineFailedEarly) as exc:
+                    watch.sock = None
                     if conn is not None:
                         conn.close()
                         conn = None
@@ -1261,14 +1453,51 @@ class Router:
                 conn = None
             return None
         finally:
+            watch.sock = None
             if conn is not None:
                 conn.close()  # never pooled mid-response: closing is what cancels the engine's work
             balancer.end(upstream)
 
-    def _failed(self, upstream: Upstream, error: UpstreamError) -> str:
+    async def _timed_out(self, ex: _Exchange, upstream: Upstream, watch: _Watch) -> NoReturn:
+        """Answer for an engine the stall watch cut off. The replica is ejected at once, not after
+        ``eject_after`` failures: each request sent to a silent engine costs its client the whole
+        timeout, where a refused connection costs a millisecond and a retry. The request is not
+        tried elsewhere: its client has waited the whole timeout already, and the engine may
+        still be generating it. Before the response began the client gets a 504. A stream that
+        had begun ends with an SSE error event and a proper end of its chunked body, where its
+        framing allows, and then the client's connection is closed (where it does not allow, the
+        close alone tells the client its body broke off)."""
+        where = f"replica {upstream.replica_id} ({upstream.url})"
+        if watch.fired == "head":
+            what = (
+                f"{where} sent no response in {watch.waited:.1f} s "
+                f"(router_response_timeout {self.response_timeout:g} s)"
+            )
+            code = "upstream_response_timeout"
+        else:
+            when = "mid-stream" if ex.head_sent else "mid response head"
+            what = (
+                f"{where} sent nothing for {watch.waited:.1f} s {when} "
+                f"(router_stream_idle_timeout {self.stream_idle_timeout:g} s)"
+            )
+            code = "upstream_idle_timeout"
+        self._failed(upstream, UpstreamError("timeout", what), at_once=True)
+        what += "; the replica is ejected"
+        if not ex.head_sent:
+            raise RouterError(504, f"model `{ex.model}`: {what}", "timeout", code)
+        if ex.stream and ex.at_chunk_end is not None and ex.at_chunk_end():
+            doc = {"error": {"message": f"model `{ex.model}`: {what}", "type": "timeout", "code": code}}
+            event = b"data: " + json.dumps(doc).encode() + b"\n\n"
+            # The client's socket took bytes a moment ago (the watch checks); one that stops
+            # reading now must not hold this task.
+            with trio.move_on_after(self.stream_idle_timeout):
+                await self._write(ex, chunk(event) + LAST_CHUNK)
+        raise _UpstreamBroken(what)
+
+    def _failed(self, upstream: Upstream, error: UpstreamError, *, at_once: bool = False) -> str:
         text = str(error)
         self.metrics.upstream_error(upstream, error.kind)
-        ejected = self.balancer.failed(upstream, self.clock(), text)
+        ejected = self.balancer.failed(upstream, self.clock(), text, at_once=at_once)
         if ejected is not None:
             key = (upstream.replica_id, upstream.url)
             self.metrics.ejections[key] = self.metrics.ejections.get(key, 0) + 1
@@ -1289,9 +1518,11 @@ class Router:
             close=not ex.request.keep_alive,
         )
         pump = cast(NativeRelayPump, self.pump)
+        ex.at_chunk_end = _whole_engine_chunks
 
         def head_out(sent_at: float) -> None:
             ex.head_sent = ex.ttfb_done = True
+            ex.status = 200  # the only head the pump relays itself
             self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - sent_at))
 
         try:
@@ -1413,6 +1644,9 @@ class Router:
         scanner = ChunkedScanner()
         used = scanner.feed(buf) if buf else 0
         extra = used < len(buf)
+        # The Python pump feeds this scanner as it relays; the native one takes its state over.
+        native = isinstance(self.pump, NativeRelayPump)
+        ex.at_chunk_end = _whole_engine_chunks if native else lambda: scanner.at_chunk_end
         await self._write(ex, out + buf[:used])
         if not scanner.done:
             try:
@@ -1433,6 +1667,8 @@ class Router:
         remaining = head.length
         extra = False
         data = buf
+        if encode:  # chunks written here, whole, by this task
+            ex.at_chunk_end = _whole_engine_chunks
         while True:
             done = False
             if data:
@@ -1461,6 +1697,18 @@ class Router:
                         await self._write(ex, LAST_CHUNK)
                     return False
                 raise _UpstreamBroken("the engine closed the connection mid-response")
+
+
+def _whole_engine_chunks() -> bool:
+    """Whether a client's chunked body, relayed as it came, ends with a whole chunk now that its
+    engine fell silent, where no scanner state is at hand: the native pump's thread keeps its
+    own (``control/_pump.c``) and does not hand it back. Taken as true: engines write each SSE
+    event as one chunk in one write, the silence has lasted the whole idle timeout with the
+    engine's socket drained and the client's writable, so everything the engine wrote has gone
+    through. Should an engine have stopped inside a chunk, the error event lands inside it and
+    the connection is closed after, which the client sees as a broken body: an error either
+    way, never a hang."""
+    return True
 
 
 def _classify(exc: OSError | trio.TooSlowError | UpstreamError | EngineFailedEarly) -> UpstreamError:
@@ -1519,7 +1767,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"the relay pump's pause after each wake-up, 0 to {MAX_COALESCE_US} "
         f"(default {DEFAULT_COALESCE_US}; 0: none): streamed tokens that arrive together share a wake-up",
     )
+    parser.add_argument(
+        "--response-timeout",
+        type=float,
+        default=DEFAULT_RESPONSE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"the longest wait for an engine's first response byte (default {DEFAULT_RESPONSE_TIMEOUT:g}); "
+        "past it the client gets a 504 and the replica is ejected",
+    )
+    parser.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=DEFAULT_STREAM_IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"the longest silence of an engine once its response began (default "
+        f"{DEFAULT_STREAM_IDLE_TIMEOUT:g}); past it the stream ends with an error event and the "
+        "replica is ejected",
+    )
     args = parser.parse_args(argv)
+    for flag, value in (
+        ("--response-timeout", args.response_timeout),
+        ("--stream-idle-timeout", args.stream_idle_timeout),
+    ):
+        if not value > 0:
+            parser.error(f"{flag} must be more than 0 seconds, got {value:g}")
     try:
         routes = static_routes(_parse_static(args.static))
     except ValueError as exc:
@@ -1529,8 +1800,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = set(args.api_key)
     keys.update(k for k in os.environ.get("LLMGW_ROUTER_API_KEYS", "").split(",") if k)
     try:
-        router = Router(routes, api_keys=frozenset(keys), relay_coalesce_us=args.relay_coalesce_us)
-    except (RuntimeError, ValueError) as exc:  # the relay pump asked for (LLMGW_RELAY, coalescing)
+        router = Router(
+            routes,
+            api_keys=frozenset(keys),
+            relay_coalesce_us=args.relay_coalesce_us,
+            response_timeout=args.response_timeout,
+            stream_idle_timeout=args.stream_idle_timeout,
+        )
+    except (RuntimeError, ValueError) as exc:  # the relay pump asked for (LLMGW_RELAY, coalescing), timeouts
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
