@@ -23,6 +23,7 @@ import trio
 import schema
 from control.fleet import Fleet, Transition
 from control.transport import ServerStream
+from schema.ids import shard_id_problem
 from schema.rpc import Code, RpcError
 
 log = logging.getLogger("llmgw.control.agentsvc")
@@ -107,6 +108,15 @@ class AgentService:
             )
             raise RpcError(Code.PERMISSION_DENIED, refusal)
 
+        invalid = next((p for p in (shard_id_problem(s.shard_id) for s in reg.shards) if p), "")
+        if invalid:
+            problem = f"Register from node {reg.node_id!r} lists a shard whose {invalid}"
+            log.warning("refused a stream from %s: %s", stream.peer.address, problem)
+            await stream.send(
+                self._message(ack=schema.Ack(message_id=first.message_id, ok=False, error=problem))
+            )
+            raise RpcError(Code.INVALID_ARGUMENT, problem)
+
         node_id = reg.node_id
         previous = self.streams.get(node_id)
         if previous is not None:
@@ -115,25 +125,31 @@ class AgentService:
             previous.scope.cancel()
         send, receive = trio.open_memory_channel[schema.ControlMessage](1024)
         current = NodeStream(node_id, stream, trio.CancelScope(), send)
-        self.streams[node_id] = current
-        self.on_transitions(self.fleet.registered(reg, self.clock()))
-        log.info(
-            "%s registered from %s over %s: %d GPU(s), %d shard(s) running",
-            node_id,
-            stream.peer.address,
-            stream.protocol,
-            len(reg.gpus),
-            len(reg.shards),
-        )
-        await stream.send(self._message(ack=schema.Ack(message_id=first.message_id, ok=True)))
-        for message in sorted(self.pending.get(node_id, {}).values(), key=lambda m: m.message_id):
-            send.send_nowait(message)  # unacknowledged before the disconnect: send again
-        self.on_change()
+        # Everything from here is undone by the `finally`, the registration itself included: a
+        # stream cancelled while its Ack is sent (the peer went away, or a newer stream replaced it)
+        # must not stay in `streams` as a ghost that commands are queued to and the node looks ready by.
         try:
             with current.scope:
+                self.streams[node_id] = current
+                self.on_transitions(self.fleet.registered(reg, self.clock()))
+                log.info(
+                    "%s registered from %s over %s: %d GPU(s), %d shard(s) running",
+                    node_id,
+                    stream.peer.address,
+                    stream.protocol,
+                    len(reg.gpus),
+                    len(reg.shards),
+                )
+                self.on_change()
+                await stream.send(self._message(ack=schema.Ack(message_id=first.message_id, ok=True)))
+                for message in sorted(self.pending.get(node_id, {}).values(), key=lambda m: m.message_id):
+                    try:
+                        send.send_nowait(message)  # unacknowledged before the disconnect: send again
+                    except trio.WouldBlock:
+                        break  # the rest stay pending for the next connection
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._send_loop, stream, receive)
-                    await self._receive_loop(node_id, stream)
+                    await self._receive_loop(current)
                     nursery.cancel_scope.cancel()
         finally:
             if self.streams.get(node_id) is current:
@@ -151,12 +167,19 @@ class AgentService:
         async for message in outbox:
             await stream.send(message)
 
-    async def _receive_loop(self, node_id: str, stream: ServerStream) -> None:
-        async for msg in stream:
+    async def _receive_loop(self, current: NodeStream) -> None:
+        node_id = current.node_id
+        async for msg in current.stream:
+            if self.streams.get(node_id) is not current:
+                return  # replaced: nothing this stream sends is believed any more
             now = self.clock()
             if msg.heartbeat is not None:
                 self.on_transitions(self.fleet.heartbeat(node_id, msg.heartbeat, now))
             elif msg.shard is not None:
+                problem = shard_id_problem(msg.shard.shard_id)
+                if problem:
+                    log.warning("%s: ignored a ShardStatus: %s", node_id, problem)
+                    continue
                 self.fleet.shard_status(node_id, msg.shard)
                 self.on_change()
             elif msg.ack is not None:

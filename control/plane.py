@@ -100,6 +100,7 @@ class ControlPlane:
         self._views_generation = -1
         self._views_list: list[NodeView] = []
         self._saved_generation: object = None
+        self._save_lock = trio.Lock()
 
     # -- events -------------------------------------------------------------------------------------
 
@@ -293,6 +294,12 @@ class ControlPlane:
         takes ~2 ms per Register, so a registration storm of thousands would otherwise hold the event
         loop, and with it every node's heartbeats, for seconds.
         """
+        # One writer at a time: the reconciler's pass, an admin request (a drain is saved before it
+        # is answered) and the shutdown path all save, and all write the same temporary file.
+        async with self._save_lock:
+            await self._save()
+
+    async def _save(self) -> None:
         if (self.fleet.generation, self.placements) == self._saved_generation:
             return  # nothing a restart needs has changed since the last write
         generation = (self.fleet.generation, self.placements)
@@ -322,11 +329,36 @@ class ControlPlane:
         self._saved_key = key
         self._saved_generation = generation
 
+    async def save_now(self) -> None:
+        """Write what a restart needs, now, and return once it is on disk (fsynced).
+
+        For a shutdown path (SIGTERM): call it after the reconciler has stopped, inside a shielded,
+        bounded scope (``with trio.CancelScope(shield=True), trio.move_on_after(10)``), since the
+        process is being cancelled. A state that has not changed since the last write is already on
+        disk (every write is fsynced), so that costs nothing.
+        """
+        await self.save()
+
     def _write_state(self, doc: dict[str, Any]) -> None:
+        """Replace the state file atomically and durably (runs in a worker thread).
+
+        The new contents are fsynced before the rename and the directory after it: without the first
+        a crash can leave the new name on an empty or partial file (ext4 and XFS reorder data and
+        metadata), without the second the rename itself may not survive a power loss, and the
+        control plane would come back with an older fleet, drains and cordons forgotten.
+        """
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, sort_keys=True))
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.state_file)
+        fd = os.open(self.config.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def restore(self) -> None:
         try:
@@ -422,8 +454,6 @@ class ControlPlane:
             self.routes,
             api_keys=frozenset(self.config.api_keys),
             relay_coalesce_us=self.config.router_coalesce_us,
-            response_timeout=self.config.router_response_timeout,
-            stream_idle_timeout=self.config.router_stream_idle_timeout,
         )
         if not self.config.runs_control_plane:
             # A catalog of static endpoints only: a router-only run, no agents, no reconciler.

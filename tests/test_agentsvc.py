@@ -93,7 +93,12 @@ async def test_per_node_token_without_tls(nursery: trio.Nursery) -> None:
                 schema.AgentMessage(message_id=1, register=schema.Register(node_id=node_id, token=token))
             )
             refusal = await stream.receive()
-            assert refusal is not None and not refusal.ack.ok and refusal.ack.error == expected
+            assert (
+                refusal is not None
+                and refusal.ack is not None
+                and not refusal.ack.ok
+                and refusal.ack.error == expected
+            )
             try:
                 await stream.receive()
                 raise AssertionError("the stream should end")
@@ -104,5 +109,83 @@ async def test_per_node_token_without_tls(nursery: trio.Nursery) -> None:
             schema.AgentMessage(message_id=1, register=schema.Register(node_id="n1", token="s3cret"))
         )
         ok = await stream.receive()
-        assert ok is not None and ok.ack.ok
+        assert ok is not None and ok.ack is not None and ok.ack.ok
     assert list(fleet.nodes) == ["n1"]
+
+
+async def test_a_stream_reset_while_its_register_is_acknowledged_leaves_no_ghost(
+    nursery: trio.Nursery,
+) -> None:
+    """The peer grants no flow-control window, so the Ack waits; then it resets the stream, which
+    cancels the handler inside that send. The registration must be undone with it, or the node stays
+    "ready" on a stream that no longer exists and every command queued to it is lost."""
+    import h2.config
+    import h2.connection
+    import h2.errors
+    import h2.settings
+
+    from schema import framing
+
+    fleet = Fleet(15, 300)
+    svc = AgentService(fleet)
+    port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
+    sock = await trio.open_tcp_stream("127.0.0.1", port)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    conn.local_settings = h2.settings.Settings(
+        client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+    )
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(
+        sid,
+        [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":authority", f"127.0.0.1:{port}".encode()),
+            (b":path", schema.CONNECT_PATH.encode()),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ],
+    )
+    register = schema.AgentMessage(message_id=1, register=schema.Register(node_id="n1"))
+    conn.send_data(sid, framing.encode(bytes(register)))
+    await sock.send_all(conn.data_to_send())
+    await poll_until("n1 registered", lambda: "n1" in fleet.nodes)
+    conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+    await sock.send_all(conn.data_to_send())
+    await poll_until("n1's stream forgotten", lambda: not svc.connected("n1"))
+    assert fleet.nodes["n1"].state.value == "unreachable"
+    await sock.aclose()
+
+
+async def test_shard_ids_are_checked_in_register_and_shard_status(nursery: trio.Nursery) -> None:
+    from agent.transport import Code, RpcError
+
+    fleet = Fleet(15, 300)
+    svc = AgentService(fleet)
+    port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    bad = schema.ShardStatus(shard_id="llama/r0", replica_id="llama-r0", state=schema.ShardState.READY)
+    async with open_stream(url) as stream:
+        await stream.send(
+            schema.AgentMessage(message_id=1, register=schema.Register(node_id="n1", shards=[bad]))
+        )
+        refusal = await stream.receive()
+        assert refusal is not None and refusal.ack is not None and not refusal.ack.ok
+        assert refusal.ack.error == (
+            "Register from node 'n1' lists a shard whose shard_id 'llama/r0' is not valid; it must be "
+            "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+        try:
+            await stream.receive()
+            raise AssertionError("the stream should end")
+        except RpcError as exc:
+            assert exc.code is Code.INVALID_ARGUMENT
+    assert "n1" not in fleet.nodes
+    async with open_stream(url) as stream:
+        await _register(stream, "n1")
+        for shard_id in ("", "llama/r0", "ok-r0-s0"):
+            status = schema.ShardStatus(shard_id=shard_id, replica_id="r", state=schema.ShardState.READY)
+            await stream.send(schema.AgentMessage(message_id=2, shard=status))
+        await poll_until("the valid status", lambda: "ok-r0-s0" in fleet.nodes["n1"].shards)
+        assert list(fleet.nodes["n1"].shards) == ["ok-r0-s0"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import schema
@@ -339,3 +341,40 @@ def test_a_leftover_engine_serves_until_the_replacement_is_ready_then_stops() ->
     fleet.registered(reg("n3", status(State.UNHEALTHY, pid=3, shard="m-r0-s0-cccccc")), now=4)
     fleet.shard_status("n2", status(State.STARTING, pid=4, shard="m-r0-s0-bbbbbb"))
     assert Stop("n3", "m-r0-s0-cccccc", 5) in r.step(moved, fleet.nodes, specs, now=5)
+
+
+def test_state_is_fsynced_before_the_rename_and_the_directory_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import os
+    import stat
+
+    import trio
+
+    from control.plane import ControlPlane
+
+    cfg = parse(
+        f'state_dir = "{tmp_path}"\n[[models]]\nname = "m"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
+    )
+    plane = ControlPlane(cfg, clock=lambda: 0.0)
+    plane.fleet.registered(schema.Register(node_id="n1", mgmt_addr="10.0.0.1"), 0)
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        events.append("fsync dir" if stat.S_ISDIR(mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        events.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    trio.run(plane.save_now)
+    assert events == ["fsync file", "rename", "fsync dir"]
+    assert list(json.loads((tmp_path / "control-state.json").read_text())["nodes"]) == ["n1"]
+    trio.run(plane.save_now)  # nothing changed: nothing written again
+    assert events == ["fsync file", "rename", "fsync dir"]
