@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import trio
 
-from agent.config import AgentConfig, ConfigError, load
+from agent.config import AgentConfig, ConfigError, load_with_sources
 from agent.discovery import InventoryFileError, discover
 from agent.nursery import run_agent
 
@@ -40,9 +40,15 @@ async def _main(config: AgentConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load(argv)
+        config, sources = load_with_sources(argv)
     except ConfigError as exc:
         print(f"llmgw-agent: {exc}", file=sys.stderr)
+        return 2
+    # Checked before the event loop starts (it blocks on the filesystem, which is fine here): an
+    # agent that cannot record intents must not start engines, and one line says what to fix.
+    unwritable = config.unwritable_dir(sources)
+    if unwritable:
+        print(f"llmgw-agent: {unwritable}", file=sys.stderr)
         return 2
     try:
         trio.run(_main, config)

@@ -48,6 +48,11 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
         raise ValueError(f"{attribute.name} must be greater than 0, got {value}")
 
 
+def _at_least_one(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be at least 1, got {value}")
+
+
 @attrs.frozen
 class PortRange:
     first: int = 8000
@@ -92,6 +97,14 @@ class AgentConfig:
     engine_ports: PortRange = PortRange()
     #: Interface address engines bind to.
     engine_host: str = "0.0.0.0"
+    #: kubelet's liveness probe, for each READY engine: a ``GET /health`` every ``liveness_period``
+    #: seconds, each given ``liveness_timeout`` seconds (a wedged engine must not hold the probe),
+    #: and ``liveness_failures`` misses in a row make the shard UNHEALTHY (a pass makes it READY).
+    #: As in kubelet, a timeout longer than the period is allowed: probes never overlap, and the
+    #: next one starts when the slow one ends.
+    liveness_period: float = attrs.field(default=10.0, validator=_positive)
+    liveness_timeout: float = attrs.field(default=5.0, validator=_positive)
+    liveness_failures: int = attrs.field(default=3, validator=_at_least_one)
 
     def __attrs_post_init__(self) -> None:
         if not self.node_id.strip():
@@ -109,9 +122,54 @@ class AgentConfig:
     def logs(self) -> Path:
         return self.log_dir or self.state_dir / "logs"
 
+    def unwritable_dir(self, sources: Mapping[str, str]) -> str:
+        """One line naming the first directory the agent cannot write (state, then logs), the
+        setting that chose it and what to do; empty when both are writable. Blocks on the
+        filesystem: called before the event loop starts.
+
+        Writability is tried, not inferred from mode bits (root ignores them; a read-only mount
+        does not show in them): the directory is created if missing and a file is made and removed.
+        """
+        state_from = _setting_source("state_dir", sources)
+        log_from = (
+            f"log_dir {_setting_source('log_dir', sources)}"
+            if "log_dir" in sources
+            else f"log_dir, unset: state_dir/logs with state_dir {state_from}"
+        )
+        for what, directory, chosen_by, setting in (
+            ("state directory", self.state_dir, f"state_dir {state_from}", "state_dir"),
+            ("log directory", self.logs, log_from, "log_dir"),
+        ):
+            problem = _write_problem(directory)
+            if problem:
+                return (
+                    f"cannot write the {what} {directory} ({problem}); it was chosen by {chosen_by}: "
+                    f"make it writable for this user, or set {_flag(setting)} "
+                    f"(or {ENV_PREFIX}{setting.upper()}) to a directory that is"
+                )
+        return ""
+
     def engine_argv(self, engine: str) -> tuple[str, ...]:
         defaults = _default_engines()
         return tuple(shlex.split(self.engines.get(engine) or defaults.get(engine, engine)))
+
+
+def _setting_source(key: str, sources: Mapping[str, str]) -> str:
+    return f"from {sources[key]}" if key in sources else "by default"
+
+
+def _write_problem(directory: Path) -> str:
+    """Why a file cannot be created in ``directory`` (made if missing); empty when one can."""
+    try:
+        if directory.exists() and not directory.is_dir():
+            return "it is a file, not a directory"
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".llmgw-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
 
 
 class ConfigError(Exception):
@@ -358,6 +416,15 @@ def _where(key: str, layered: Layered) -> str:
 
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
     """Parse flags, read the environment and the TOML file, and structure the merged result."""
+    return load_with_sources(argv, environ)[0]
+
+
+def load_with_sources(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[AgentConfig, dict[str, str]]:
+    """:func:`load`, and where each key set explicitly came from (``--state-dir``,
+    ``LLMGW_AGENT_STATE_DIR``, ``/etc/llmgw/agent.toml line 7``); keys left at their default are
+    absent. A start-up check that fails names the setting that chose the value with these."""
     environ = os.environ if environ is None else environ
     ns = build_parser().parse_args(argv)
     path: Path | None = ns.config or (
@@ -373,7 +440,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         raise ConfigError(f"unknown setting(s): {where}; known: {', '.join(_field_names())}")
     conv = _converter()
     try:
-        return conv.structure(layered.values, AgentConfig)
+        return conv.structure(layered.values, AgentConfig), dict(layered.sources)
     except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
         if isinstance(exc, cattrs.BaseValidationError):
             problems = _describe(exc, layered)

@@ -16,6 +16,7 @@ counter resets after a session that got as far as a registered stream.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 from collections.abc import Callable, Sequence
@@ -30,7 +31,8 @@ from agent.discovery import Inventory, NvmlSession
 from agent.discovery.model import GpuUsage
 from agent.engines import LaunchContext
 from agent.session import Session, SessionResult
-from agent.supervise import Supervisor
+from agent.supervise import LivenessProbe, Supervisor
+from agent.supervise.supervisor import TEST_KILL_AT_ENV
 from agent.transport import ClientTLS, StreamOptions, TransportError, open_stream
 
 log = logging.getLogger("llmgw.agent")
@@ -47,7 +49,10 @@ def backoff_delay(attempt: int, base: float, cap: float, rand: float) -> float:
 
 
 def mgmt_address(config: AgentConfig) -> str:
-    """The configured mgmt_addr, or the local address this node uses to reach the control plane."""
+    """The configured mgmt_addr, or the local address this node uses to reach the control plane.
+
+    Blocks (DNS for the server's name, and the hostname fallback): call it from a worker thread.
+    """
     if config.mgmt_addr:
         return config.mgmt_addr
     parts = urlsplit(config.server)
@@ -59,11 +64,15 @@ def mgmt_address(config: AgentConfig) -> str:
         return socket.gethostname()
 
 
-def build_register(config: AgentConfig, inventory: Inventory, supervisor: Supervisor) -> schema.Register:
+def build_register(
+    config: AgentConfig, inventory: Inventory, supervisor: Supervisor, mgmt_addr: str
+) -> schema.Register:
+    """The first message of a session; ``mgmt_addr`` comes from :func:`mgmt_address`, which may
+    do DNS and so runs in a worker thread."""
     return schema.Register(
         node_id=config.node_id,
         hostname=config.hostname,
-        mgmt_addr=mgmt_address(config),
+        mgmt_addr=mgmt_addr,
         agent_version=__version__,
         labels=dict(config.labels),
         mgmt_interface=config.mgmt_interface,
@@ -85,7 +94,7 @@ def build_register(config: AgentConfig, inventory: Inventory, supervisor: Superv
         cpu_count=inventory.cpu_count,
         memory_total_mib=inventory.memory_total_mib,
         engine_ports=schema.PortRange(first=config.engine_ports.first, last=config.engine_ports.last),
-        shards=supervisor.statuses(),
+        shards=supervisor.register_statuses(),
         driver_version=inventory.driver_version,
         cuda_version=inventory.cuda_version,
         discovery_error=inventory.error,
@@ -110,7 +119,8 @@ def stream_options(config: AgentConfig) -> StreamOptions:
 
 
 def usage_reader(inventory: Inventory) -> Callable[[], Sequence[GpuUsage]]:
-    """Per-GPU usage for heartbeats: NVML when discovery used it, else the inventory's figures."""
+    """Per-GPU usage for heartbeats: NVML when discovery used it, else the inventory's figures.
+    Opening NVML blocks: call it from a worker thread."""
     if inventory.source == "nvml":
         session = NvmlSession.open()
         return session.usage
@@ -145,8 +155,15 @@ async def run_agent(
         gpus=inventory.gpus,
         launch_context=launch_context,
         stop_grace=config.stop_grace,
+        liveness=LivenessProbe(
+            period=config.liveness_period,
+            timeout=config.liveness_timeout,
+            failures=config.liveness_failures,
+        ),
+        # A test hook (see Supervisor): makes the agent kill itself at a named point of a start.
+        test_kill_at=os.environ.get(TEST_KILL_AT_ENV, ""),
     )
-    usage = usage_reader(inventory)
+    usage = await trio.to_thread.run_sync(usage_reader, inventory)
     options = stream_options(config)
     async with trio.open_nursery() as root:
         await root.start(supervisor.run)
@@ -155,10 +172,11 @@ async def run_agent(
         while True:
             result = SessionResult()
             try:
+                mgmt_addr = await trio.to_thread.run_sync(mgmt_address, config)
                 async with open_stream(config.server, options) as stream:
                     session = Session(
                         stream,
-                        register=build_register(config, inventory, supervisor),
+                        register=build_register(config, inventory, supervisor, mgmt_addr),
                         supervisor=supervisor,
                         heartbeat_interval=config.heartbeat_interval,
                         usage=usage,

@@ -6,8 +6,9 @@ the connection. Engines are not in it: they belong to the supervisor, which outl
 - **send** is the only writer on the stream (HTTP/2 and WebSocket streams are not safe for concurrent
   writes, and one writer keeps message order); everybody else puts messages on its channel.
 - **receive** turns commands into supervisor calls. StartShard never blocks on loading: the
-  supervisor spawns the engine and returns, so the stream keeps carrying heartbeats for the minutes
-  a model takes to load.
+  supervisor spawns the engine (in a worker thread, in its own nursery, so a session cancelled
+  mid-start cannot orphan it) and returns, so the stream keeps carrying heartbeats for the minutes
+  a model takes to load. Shard ids are checked (``schema.ids``) before anything else.
 - **heartbeat** sends per-GPU memory and utilization every ``heartbeat_interval``; the transport's
   h2 PING underneath detects a dead peer within seconds.
 - **a watcher per shard** forwards each supervisor state change as a ShardStatus.
@@ -95,6 +96,7 @@ class Session:
                 nursery.cancel_scope.cancel()
                 return self.result
             self.result.registered = True
+            self.supervisor.register_acknowledged(self.register.shards)
             log.info("registered with the control plane as %s", self.node_id)
             nursery.start_soon(self._guard, self._heartbeat_loop, nursery)
             nursery.start_soon(self._guard, functools.partial(self._watch_shards, seen), nursery)
@@ -182,9 +184,13 @@ class Session:
         if command.start is not None:
             spec = command.start
             try:
-                shard = self.supervisor.start(spec)
+                # Returns once the engine process exists (milliseconds, in a worker thread), so
+                # the STARTING status carries its pid; loading is watched in the background.
+                shard = await self.supervisor.start(spec)
             except ProfileRefused as exc:
-                await self._ack(mid, f"{self.node_id}: StartShard {spec.shard_id} refused: {exc}")
+                # An invalid id is not repeated: the refusal names it, escaped.
+                named = "" if exc.rule == "shard-id" else f" {spec.shard_id}"
+                await self._ack(mid, f"{self.node_id}: StartShard{named} refused: {exc}")
                 return
             await self._ack(mid)
             # A repeated start for a live shard changes nothing, so no watcher fires: report its state.
@@ -204,7 +210,7 @@ class Session:
         elif command.logs is not None:
             req = command.logs
             try:
-                lines = self.supervisor.logs(req.shard_id, req.lines or 100)
+                lines = await self.supervisor.logs(req.shard_id, req.lines or 100)
                 reply = schema.LogsReply(request_id=mid, shard_id=req.shard_id, lines=lines)
             except KeyError as exc:
                 reply = schema.LogsReply(

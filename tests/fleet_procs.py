@@ -140,10 +140,15 @@ class Agent:
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, env: Mapping[str, str] | None = None) -> None:
+        """Start the agent; ``env`` adds variables for this start only (a test hook, say)."""
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
-                self.argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **env} if env else None,
             )
 
     def kill9(self) -> None:
@@ -152,13 +157,25 @@ class Agent:
         self.proc.wait(10)
 
     def engine_pids(self) -> list[int]:
-        pids = []
+        """Engines this agent started: those its records name, and those carrying its marker
+        (an engine whose record is missing or damaged is still this agent's)."""
+        pids = set(self.marked_engines())
         for record in (self.state_dir / "shards").glob("*.json"):
             try:
-                pids.append(int(json.loads(record.read_text())["pid"]))
-            except (OSError, ValueError, KeyError):
+                pid = int(json.loads(record.read_text())["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
-        return pids
+            if pid > 0:  # 0 is an intent: no process yet (and killpg(0) is our own group)
+                pids.add(pid)
+        return sorted(pids)
+
+    def marked_engines(self, shard_id: str | None = None) -> list[int]:
+        """Running process-group leaders carrying this agent's marker (``agent.supervise.procfs``),
+        for ``shard_id`` or any shard: how a test counts engines per slot from ``/proc`` itself."""
+        from agent.supervise import procfs
+
+        owner = os.path.abspath(self.state_dir)
+        return sorted(e.pid for e in procfs.find_engines(owner) if shard_id is None or e.shard_id == shard_id)
 
     def stop_all(self) -> None:
         """End the agent, then the engines it started (they outlive it by design)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import openai
 import pytest
 
 import schema
+from agent.config import ConfigError, load
 from tests.fleet_procs import Agent, free_port, pid_alive
 from tests.grpcio_cp import GrpcioControlPlane, NodeStream, wait_for
 
@@ -189,9 +192,12 @@ def test_agent_kill9_restart_adopts_engines(cp: GrpcioControlPlane, agent: Agent
     node2 = registered(cp, "gpu07", after=streams_before)
     listed = {s.shard_id: s for s in node2.register.shards}
     assert "keep-r0-s0" in listed and listed["keep-r0-s0"].pid == pid
-    # The adopted engine is re-checked and reported ready; never started again.
-    wait_for("adopted shard READY", lambda: state_of(node2, "keep-r0-s0", State.READY))
+    # The adopted engine was probed before Register: it is READY in the Register itself, so the
+    # router never loses it for a moment, and it is never started again.
+    assert listed["keep-r0-s0"].state == State.READY, listed["keep-r0-s0"]
+    assert state_of(node2, "keep-r0-s0", State.STARTING) is None
     assert all(u.pid == pid for u in node2.shard_updates("keep-r0-s0"))
+    assert agent.marked_engines("keep-r0-s0") == [pid]
     assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
 
     # The restarted agent keeps watching the adopted engine: its death is reported.
@@ -247,3 +253,127 @@ def test_node_without_nvidia_tooling_registers_with_the_reason(
     assert list(reg.gpus) == []
     assert "NVML" in reg.discovery_error and "nvidia-smi" in reg.discovery_error
     assert reg.cpu_count >= 1 and reg.memory_total_mib > 0
+
+
+def test_start_refusals_name_the_field_and_spawn_nothing(cp: GrpcioControlPlane, agent: Agent) -> None:
+    """No served name, or a shard id that is empty, folds into another's file or leaves the state
+    directory: refused in the Ack, nothing recorded, nothing spawned."""
+    node = registered(cp, "gpu07")
+    unnamed = node.send(start=start_spec("noname-r0-s0", free_port(), served_model_name=""))
+    ack = wait_for("the unnamed start's ack", lambda: node.acks().get(unnamed))
+    assert (
+        not ack.ok
+        and "gpu07: StartShard noname-r0-s0 refused: profile.served_model_name is required" in ack.error
+    )
+    for bad, shown in (("", "shard_id is empty"), ("llama/r0", "shard_id 'llama/r0' is not valid")):
+        mid = node.send(start=start_spec(bad, free_port()))
+        ack = wait_for(f"the ack for shard id {bad!r}", lambda: node.acks().get(mid))  # noqa: B023
+        assert not ack.ok and ack.error.startswith(f"gpu07: StartShard refused: {shown}"), ack.error
+        assert "letters, digits" in ack.error
+    # The one valid id of the pair gets its own file, and runs.
+    node.send(start=start_spec("llama_r0", free_port()))
+    wait_for("llama_r0 READY", lambda: state_of(node, "llama_r0", State.READY))
+    assert sorted(p.name for p in (agent.state_dir / "shards").iterdir()) == ["llama_r0.json"]
+    assert sorted(p.name for p in (agent.state_dir / "logs").iterdir()) == ["llama_r0.log"]
+    assert [s for s in node.shard_updates("") if s.state == State.FAILED] == []
+    assert len(agent.marked_engines()) == 1
+
+
+def test_engine_serving_another_name_is_a_failed_start_at_once(cp: GrpcioControlPlane, agent: Agent) -> None:
+    """/health passes, but /v1/models lists another name: FAILED naming both, engine stopped, long
+    before the ready timeout (today: READY, and every request through the router is a 404)."""
+    node = registered(cp, "gpu07")
+    spec = start_spec("named-r0-s0", free_port(), extra_args=["--served-model-name", "someone-else"])
+    spec.ready_timeout_seconds = 300
+    node.send(start=spec)
+    pid = wait_for("STARTING", lambda: state_of(node, "named-r0-s0", State.STARTING)).pid
+    failed = wait_for("FAILED", lambda: state_of(node, "named-r0-s0", State.FAILED), timeout=30)
+    assert "engine serves 'someone-else', StartShard asked for 'llama-8b'" in failed.error
+    assert state_of(node, "named-r0-s0", State.READY) is None
+    wait_for("the engine gone", lambda: not pid_alive(pid))
+
+
+def test_register_lists_live_shards_and_ended_ones_once(cp: GrpcioControlPlane, agent: Agent) -> None:
+    node = registered(cp, "gpu07")
+    node.send(start=start_spec("ends-r0-s0", free_port()))
+    node.send(start=start_spec("runs-r0-s0", free_port()))
+    wait_for("ends-r0-s0 READY", lambda: state_of(node, "ends-r0-s0", State.READY))
+    wait_for("runs-r0-s0 READY", lambda: state_of(node, "runs-r0-s0", State.READY))
+    node.send(stop=schema.StopShard(shard_id="ends-r0-s0", grace_seconds=5))
+    wait_for("ends-r0-s0 STOPPED", lambda: state_of(node, "ends-r0-s0", State.STOPPED))
+    port = cp.port
+    shards_per_register = []
+    for _ in range(2):
+        cp.stop()
+        wait_for("the agent to notice", lambda: cp.streams[-1].closed.is_set())
+        before = len(cp.streams)
+        cp.start(port)
+        reg = registered(cp, "gpu07", after=before).register
+        shards_per_register.append({s.shard_id: State(s.state) for s in reg.shards})
+    # The ended shard is listed once after it ended, then no more; the live one every time.
+    assert shards_per_register == [
+        {"ends-r0-s0": State.STOPPED, "runs-r0-s0": State.READY},
+        {"runs-r0-s0": State.READY},
+    ]
+
+
+def test_liveness_settings_are_validated_like_the_others() -> None:
+    base = ["--node-id", "gpu07", "--server", "http://cp:7443"]
+    config = load(base, environ={"LLMGW_AGENT_LIVENESS_PERIOD": "2.5"})
+    assert (config.liveness_period, config.liveness_timeout, config.liveness_failures) == (2.5, 5.0, 3)
+    for argv, env, message in (
+        (
+            ["--liveness-failures", "0"],
+            {},
+            "liveness_failures must be at least 1, got 0 (liveness_failures from --liveness-failures)",
+        ),
+        (
+            [],
+            {"LLMGW_AGENT_LIVENESS_TIMEOUT": "0"},
+            "liveness_timeout must be greater than 0, got 0.0 (liveness_timeout from LLMGW_AGENT_LIVENESS_TIMEOUT)",
+        ),
+        (
+            ["--liveness-failures", "2.5"],
+            {},
+            "liveness_failures: invalid value for type, expected int (from --liveness-failures)",
+        ),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load(base + argv, environ=env)
+        assert message in str(err.value)
+
+
+def test_liveness_settings_from_toml_name_their_line(tmp_path: Path) -> None:
+    config_file = tmp_path / "agent.toml"
+    config_file.write_text('node_id = "gpu07"\nserver = "http://cp:7443"\nliveness_period = -1\n')
+    with pytest.raises(ConfigError) as err:
+        load(["--config", str(config_file)], environ={})
+    assert (
+        f"liveness_period must be greater than 0, got -1.0 (liveness_period from {config_file} line 3)"
+        in str(err.value)
+    )
+
+
+@pytest.mark.parametrize("which", ["state", "log"])
+def test_unwritable_state_or_log_directory_is_one_line_and_status_2(tmp_path: Path, which: str) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    argv = [sys.executable, "-m", "agent", "--node-id", "gpu07", "--server", "http://127.0.0.1:9"]
+    env = dict(os.environ)
+    if which == "state":
+        argv += ["--state-dir", str(blocker / "state")]
+        expected = (
+            f"llmgw-agent: cannot write the state directory {blocker / 'state'} (Not a directory); "
+            "it was chosen by state_dir from --state-dir: make it writable for this user, or set "
+            "--state-dir (or LLMGW_AGENT_STATE_DIR) to a directory that is"
+        )
+    else:
+        argv += ["--state-dir", str(tmp_path / "state")]
+        env["LLMGW_AGENT_LOG_DIR"] = str(blocker)
+        expected = (
+            f"llmgw-agent: cannot write the log directory {blocker} (it is a file, not a directory); "
+            "it was chosen by log_dir from LLMGW_AGENT_LOG_DIR"
+        )
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(expected), proc.stderr

@@ -3,13 +3,25 @@
 A record is the shard's spec, the engine's pid and the process start time read from
 ``/proc/PID/stat``. The pid alone is not enough: after a reboot or a long outage the kernel reuses
 pids, and an agent that adopted "pid 4242" without checking its start time could end up signalling
-somebody else's process. Records are written atomically (write, fsync, rename) so a ``kill -9`` in
-the middle never leaves a half-written file.
+somebody else's process.
+
+The record is written twice per start: once *before* the spawn, as an intent (pid 0: "an engine for
+this shard may exist"), and again once the pid is known. A ``kill -9`` of the agent between the two
+leaves an intent, and the restarted agent looks for the engine by its marker in ``/proc``
+(``procfs.find_engines``) instead of trusting the record. Writes are atomic and durable (write,
+fsync, rename, fsync the directory), so a crash leaves the old record or the new one; a record
+damaged anyway (a full disk, a person's editor) is reported and rebuilt from the engine's marker.
+
+The record's file name *is* the shard id (``shards/ID.json``): ids are checked against
+``schema.ids.SHARD_ID``, whose alphabet is safe for file names, so the map is one to one and no two
+shards can share a file. Every method blocks on the filesystem: the supervisor calls them from a
+worker thread.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
 from pathlib import Path
@@ -17,18 +29,25 @@ from pathlib import Path
 import attrs
 
 import schema
+from schema.ids import shard_id_problem
 
 
 @attrs.frozen
 class ShardRecord:
     shard_id: str
     engine: str
+    #: 0 in an intent record: written before the spawn, when no pid exists yet.
     pid: int
     #: Field 22 of /proc/PID/stat (clock ticks since boot): with the pid, it names one process.
     start_time: int
     port: int
     log_path: str
     spec: schema.StartShard
+
+    @property
+    def intent(self) -> bool:
+        """Written before the spawn; whether an engine exists only ``/proc`` can say."""
+        return self.pid <= 0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -47,7 +66,14 @@ class ShardRecord:
 
     @classmethod
     def from_json(cls, text: str) -> ShardRecord:
+        """Raises ValueError (or KeyError, TypeError) for anything that is not a whole record."""
         doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        try:
+            spec = schema.StartShard.parse(base64.b64decode(doc["spec"], validate=True))
+        except binascii.Error as exc:
+            raise ValueError(f"spec is not base64: {exc}") from exc
         return cls(
             shard_id=str(doc["shard_id"]),
             engine=str(doc["engine"]),
@@ -55,57 +81,92 @@ class ShardRecord:
             start_time=int(doc["start_time"]),
             port=int(doc["port"]),
             log_path=str(doc["log_path"]),
-            spec=schema.StartShard.parse(base64.b64decode(doc["spec"])),
+            spec=spec,
         )
 
 
-def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or ``None`` when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) is in parentheses and may itself hold spaces and parentheses.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state); field 22 is fields[19].
-    if fields[0] in ("Z", "X"):
-        return None  # a zombie is not a running engine
-    return int(fields[19])
+@attrs.frozen
+class LoadedRecord:
+    """One file of the record directory: its shard id (the file name) and the record, or why it
+    could not be read."""
 
-
-def is_same_process(record: ShardRecord) -> bool:
-    return process_start_time(record.pid) == record.start_time
+    shard_id: str
+    path: Path
+    record: ShardRecord | None
+    problem: str = ""
 
 
 class RecordStore:
-    """One JSON file per shard under ``state_dir/shards``."""
+    """One JSON file per shard under ``state_dir/shards``, named after the shard id."""
 
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir / "shards"
+
+    def create(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def _path(self, shard_id: str) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in shard_id)
-        return self.dir / f"{safe}.json"
+    def path(self, shard_id: str) -> Path:
+        problem = shard_id_problem(shard_id)
+        if problem:
+            raise ValueError(problem)
+        return self.dir / f"{shard_id}.json"
 
     def save(self, record: ShardRecord) -> None:
-        path = self._path(record.shard_id)
-        tmp = path.with_suffix(".json.tmp")
+        """Atomically and durably: once this returns, a crash at any instant leaves this record."""
+        path = self.path(record.shard_id)
+        tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
             f.write(record.to_json())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        self._sync_dir()
 
     def remove(self, shard_id: str) -> None:
-        self._path(shard_id).unlink(missing_ok=True)
+        self.path(shard_id).unlink(missing_ok=True)
 
-    def load_all(self) -> tuple[list[ShardRecord], list[str]]:
-        """Every readable record, and a note for each file that could not be read (kept for a person)."""
-        records, problems = [], []
+    def set_aside(self, loaded: LoadedRecord) -> Path:
+        """Move an unreadable record out of the way (``ID.json.bad``, for a person to look at)."""
+        bad = loaded.path.with_name(loaded.path.name + ".bad")
+        os.replace(loaded.path, bad)
+        return bad
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def load_all(self) -> list[LoadedRecord]:
+        """Every ``*.json`` file, read or with the reason it could not be; leftover temporary files
+        of a write a crash interrupted are removed (the record they were replacing still stands)."""
+        loaded = []
+        for tmp in self.dir.glob("*.json.tmp"):
+            tmp.unlink(missing_ok=True)
         for path in sorted(self.dir.glob("*.json")):
+            shard_id = path.name.removesuffix(".json")
             try:
-                records.append(ShardRecord.from_json(path.read_text()))
-            except (OSError, ValueError, KeyError) as exc:
-                problems.append(f"{path}: unreadable shard record ({exc}); left in place")
-        return records, problems
+                data = path.read_bytes()
+            except OSError as exc:
+                loaded.append(LoadedRecord(shard_id, path, None, f"cannot read it: {exc.strerror or exc}"))
+                continue
+            try:
+                record = ShardRecord.from_json(data.decode())
+            except (ValueError, KeyError, TypeError) as exc:  # UnicodeDecodeError is a ValueError
+                loaded.append(
+                    LoadedRecord(
+                        shard_id, path, None, f"damaged ({len(data)} bytes): {type(exc).__name__}: {exc}"
+                    )
+                )
+                continue
+            if record.shard_id != shard_id:
+                loaded.append(
+                    LoadedRecord(shard_id, path, None, f"names shard {record.shard_id!r}, not its file name")
+                )
+                continue
+            loaded.append(LoadedRecord(shard_id, path, record))
+        return loaded
+
+
+__all__ = ["LoadedRecord", "RecordStore", "ShardRecord"]

@@ -3,28 +3,53 @@
 Engines are spawned outside any session, in their own process session (``start_new_session=True``)
 with stdout and stderr going to a per-shard log file, never a pipe: a pipe would break the engine
 (SIGPIPE, or a full buffer that blocks it) the moment the agent died, and an agent restart must not
-cost a model reload. Each shard is recorded in the state directory (pid, process start time, spec,
-port), so an agent restarted after ``kill -9`` re-adopts the engines that are still the same process,
-keeps watching them, and reports the ones that are gone instead of starting anything twice.
+cost a model reload.
+
+**One engine per slot, whatever instant the agent dies at.** Before the spawn the shard's intent is
+recorded (fsync'd) in the state directory, and every engine carries a marker in its environment
+(``procfs``: the shard id, this agent's state directory, the spec). After the spawn the record gets
+the pid and the process start time. A restarted agent scans ``/proc`` for its marked engines and
+adopts them even when the record is missing, an intent, truncated or corrupt (``adopt``), so a
+``kill -9`` between fork and record can no longer leave an orphan that a second copy then fights
+for the port. A start whose port another process already listens on fails at once, naming it,
+without spawning; and readiness counts an answer only when the socket listening on the port belongs
+to the engine's own process group.
+
+**Signals go to the process this agent started, never to a number.** A pidfd is opened at spawn
+(the child is ours and unreaped, so its pid cannot have been reused) or at adoption (checked against
+the recorded start time *after* opening). The engine's process group is signalled with ``killpg``
+only while that pidfd says the leader has not exited: a live leader keeps its pid, and so the group
+id, from being reused. (Our own child stays unreaped until its group is swept, which pins the id
+even after the leader's exit; an adopted engine is reaped by init, and a reuse in the microseconds
+between the check and the signal would need the pid space to wrap.) When the leader exits, what
+is left of its group is found by the marker and ended through pidfds of its own: nothing the engine
+started outlives it.
+
+**Health after ready.** Each READY engine is probed like kubelet's liveness probe (``probes``):
+``failures`` misses in a row make it UNHEALTHY with the reason; a pass makes it READY again. The
+control plane stops routing to an UNHEALTHY shard and restarts it.
 
 The supervisor is a service in the trio sense: ``run`` holds the nursery in which every shard's
-lifecycle task lives, reports itself through ``task_status.started``, and runs until cancelled.
-Cancelling it stops watching, never the engines: an agent stopped on purpose leaves them serving.
+lifecycle task lives, adopts what it finds (probing each adopted engine once, so that the first
+Register already says READY), reports itself through ``task_status.started``, and runs until
+cancelled. Cancelling it stops watching, never the engines: an agent stopped on purpose leaves them
+serving. Nothing here blocks trio's thread: records, log files, the spawn and ``/proc`` are done in
+worker threads.
 
-Commands are idempotent: a repeated ``start`` for a live shard reports its state and spawns nothing.
-``start`` returns as soon as the process exists; loading takes minutes and is watched in the
-background, with every state change announced to subscribers (the session's per-shard watchers).
+Commands are idempotent: a repeated ``start`` for a live shard, or one still being spawned, reports
+that shard and spawns nothing. ``start`` returns once the process exists; loading takes minutes and
+is watched in the background, with every state change announced to subscribers (the session's
+per-shard watchers).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -33,21 +58,34 @@ import trio
 
 import schema
 from agent.discovery.model import GpuInfo
-from agent.engines import Launch, LaunchContext, ProfileRefused, Readiness, plan
-from agent.supervise.records import RecordStore, ShardRecord, is_same_process, process_start_time
+from agent.engines import Launch, LaunchContext, ProfileRefused, plan
+from agent.supervise import adopt, procfs
+from agent.supervise.probes import (
+    IN_FLIGHT,
+    LivenessProbe,
+    Verdict,
+    check_live,
+    check_ready,
+    in_flight,
+    liveness_step,
+)
+from agent.supervise.records import RecordStore, ShardRecord
+from schema.ids import shard_id_problem
 
 log = logging.getLogger("llmgw.agent.supervise")
 
 State = schema.ShardState
-LIVE_STATES = (State.STARTING, State.READY, State.DRAINING)
+LIVE_STATES = (State.STARTING, State.READY, State.UNHEALTHY, State.DRAINING)
 TAIL_LINES = 20
 DEFAULT_READY_TIMEOUT = 900.0
+#: How long the one probe of each adopted engine may take before the supervisor reports started.
+ADOPT_PROBE_SECONDS = 3.0
 
-# Gauges of in-flight requests, by engine: a drain waits for these to reach zero before stopping.
-_IN_FLIGHT = re.compile(
-    rb"^(vllm:num_requests_running|sglang:num_running_reqs|llamacpp:requests_processing|llamacpp:requests_deferred)(\{[^}]*\})?\s+([0-9.eE+-]+)",
-    re.MULTILINE,
-)
+#: The environment variable of the test hook below, and the points it may name.
+TEST_KILL_AT_ENV = "LLMGW_TEST_AGENT_KILL_AT"
+TEST_KILL_POINTS = ("after-intent", "after-spawn")
+
+_IN_FLIGHT = IN_FLIGHT  # the name tests/test_e2e_llamacpp.py imports
 
 
 @attrs.define(eq=False)
@@ -61,12 +99,23 @@ class Shard:
     exit_code: int | None = None
     output_tail: list[str] = attrs.field(factory=list)
     pid: int = 0
+    #: The engine's start time (/proc/PID/stat field 22), which with the pid names one process.
+    start_time: int = 0
+    #: A pidfd for the engine, from spawn or adoption; -1 when there is none (or it was closed).
+    pidfd: int = -1
     log_path: Path | None = None
     launch: Launch | None = None
     proc: subprocess.Popen[bytes] | None = None
     adopted: bool = False
     stopping: bool = False
+    #: From spawn until the lifecycle has seen the process exit and removed its record: while set,
+    #: no second engine may be started for this shard id, whatever the state says.
+    running: bool = False
+    #: Ended and included in a Register the control plane acknowledged: not listed again.
+    end_reported: bool = False
     version: int = 0
+    #: Set once the spawn has finished, either way; a concurrent ``start`` waits on it.
+    spawned: trio.Event = attrs.field(factory=trio.Event)
 
     @property
     def shard_id(self) -> str:
@@ -91,8 +140,23 @@ class Shard:
         )
 
 
+class LaunchFailed(Exception):
+    """The engine could not be started (its port is taken, its binary missing); nothing runs."""
+
+
+@attrs.frozen
+class Spawned:
+    """What the spawn thread hands back to the trio thread."""
+
+    proc: subprocess.Popen[bytes]
+    pidfd: int
+    start_time: int
+    log_path: Path
+
+
 def tail(path: Path | None, n: int = TAIL_LINES) -> list[str]:
-    """The last ``n`` lines of a log file (reads at most the last 256 KiB)."""
+    """The last ``n`` lines of a log file (reads at most the last 256 KiB). Blocks: call it from a
+    worker thread."""
     if path is None or n <= 0:
         return []
     try:
@@ -132,17 +196,31 @@ class Supervisor:
         stop_grace: float = 30.0,
         poll_interval: float = 0.5,
         probe_host: str = "127.0.0.1",
+        liveness: LivenessProbe | None = None,
+        test_kill_at: str = "",
     ) -> None:
+        """``test_kill_at`` is a test hook, never set in production: ``after-intent`` or
+        ``after-spawn`` makes the agent SIGKILL itself at that point of the next start, which is
+        how the tests reach the window between fork and record deterministically."""
+        if test_kill_at and test_kill_at not in TEST_KILL_POINTS:
+            raise ValueError(
+                f"{TEST_KILL_AT_ENV}={test_kill_at!r}: expected one of {', '.join(TEST_KILL_POINTS)}"
+            )
         self.node_id = node_id
         self.gpus = tuple(gpus)
         self.launch_context = launch_context
         self.stop_grace = stop_grace
         self.poll_interval = poll_interval
         self.probe_host = probe_host
+        self.liveness = liveness or LivenessProbe()
+        self.test_kill_at = test_kill_at
         self.log_dir = log_dir
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        #: The marker value that makes an engine this agent's: its state directory, absolute.
+        self.owner = os.path.abspath(state_dir)
         self.records = RecordStore(state_dir)
         self.shards: dict[str, Shard] = {}
+        #: Shards being spawned: not announced until their pid is known.
+        self._pending: dict[str, Shard] = {}
         #: Set and replaced on every state change of any shard: the session's watchers wait on it.
         self.any_change = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -152,31 +230,48 @@ class Supervisor:
     async def run(self, *, task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self._adopt_all()
+            await trio.to_thread.run_sync(self._create_dirs)
+            await self._adopt_all()
             task_status.started(self)
             await trio.sleep_forever()
 
-    def _adopt_all(self) -> None:
-        records, problems = self.records.load_all()
-        for problem in problems:
-            log.warning("%s", problem)
-        for record in records:
-            shard = Shard(
-                spec=record.spec, engine=record.engine, pid=record.pid, log_path=Path(record.log_path)
-            )
-            shard.adopted = True
-            self.shards[record.shard_id] = shard
-            if is_same_process(record):
-                try:
-                    shard.launch = plan(record.spec, self.gpus, self.launch_context(record.engine))
-                except ProfileRefused as exc:
-                    log.warning(
-                        "adopted shard %s no longer validates (%s); watching it anyway", record.shard_id, exc
-                    )
-                log.info("adopted %s: engine pid %d still running", record.shard_id, record.pid)
-                self._spawn_lifecycle(shard)
-            else:
-                self.records.remove(record.shard_id)
+    def _create_dirs(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.records.create()
+
+    def _survey(self) -> tuple[list[adopt.Decision], list[str]]:
+        """Records and ``/proc``, read in a worker thread, and what to do about each shard."""
+        loaded = self.records.load_all()
+        engines = procfs.find_engines(self.owner)
+        recorded_running = {
+            r.shard_id
+            for r in loaded
+            if r.record is not None
+            and not r.record.intent
+            and procfs.process_start_time(r.record.pid) == r.record.start_time
+        }
+        notes = [f"{r.path}: {r.problem}" for r in loaded if r.record is None]
+        return adopt.plan_adoption(loaded, engines, recorded_running), notes
+
+    async def _adopt_all(self) -> None:
+        decisions, notes = await trio.to_thread.run_sync(self._survey)
+        for note in notes:
+            log.warning("shard record %s", note)
+        adopted: list[Shard] = []
+        for decision in decisions:
+            if isinstance(decision, adopt.Adopt):
+                shard = await trio.to_thread.run_sync(self._take_over, decision)
+                if shard is not None:
+                    self.shards[shard.shard_id] = shard
+                    adopted.append(shard)
+            elif isinstance(decision, adopt.Gone):
+                record = decision.record
+                await trio.to_thread.run_sync(self.records.remove, record.shard_id)
+                shard = Shard(
+                    spec=record.spec, engine=record.engine, pid=record.pid, log_path=Path(record.log_path)
+                )
+                shard.adopted = True
+                self.shards[record.shard_id] = shard
                 self._set(
                     shard,
                     State.FAILED,
@@ -184,8 +279,106 @@ class Supervisor:
                         f"engine pid {record.pid} recorded before the agent restarted is gone "
                         "(no process with that pid and start time); not restarted"
                     ),
-                    output_tail=tail(shard.log_path),
+                    output_tail=await trio.to_thread.run_sync(tail, shard.log_path),
                 )
+            elif isinstance(decision, adopt.Drop):
+                log.warning("shard record %s dropped: %s", decision.loaded.path, decision.why)
+                await trio.to_thread.run_sync(self._drop, decision)
+            else:
+                log.warning(
+                    "stopping engine pid %d of shard %s: %s", decision.pid, decision.shard_id, decision.why
+                )
+                assert self._nursery is not None
+                self._nursery.start_soon(self._end_stray, decision.pid, decision.start_time)
+        # Each adopted engine is probed once, together and bounded, so that the first Register
+        # already says READY for a healthy one (the router would otherwise lose it for a moment).
+        async with trio.open_nursery() as probes:
+            for shard in adopted:
+                probes.start_soon(self._probe_adopted, shard)
+        for shard in adopted:
+            self._spawn_lifecycle(shard)
+
+    def _take_over(self, decision: adopt.Adopt) -> Shard | None:
+        """Open the adopted engine's pidfd (checking it is still that process), rewrite its record
+        when needed, and build its Shard. Runs in a worker thread."""
+        fd = procfs.open_pidfd(decision.pid, decision.start_time)
+        if fd is None:
+            log.warning(
+                "engine pid %d of shard %s exited while being adopted", decision.pid, decision.shard_id
+            )
+            self.records.remove(decision.shard_id)
+            return None
+        spec = decision.spec
+        engine = spec.profile.engine if spec.profile else ""
+        log_path = self.log_dir / f"{decision.shard_id}.log"
+        if decision.rewrite:
+            log.warning(
+                "shard %s: %s; record rebuilt from the engine's marker", decision.shard_id, decision.note
+            )
+            self.records.save(
+                ShardRecord(
+                    shard_id=decision.shard_id,
+                    engine=engine,
+                    pid=decision.pid,
+                    start_time=decision.start_time,
+                    port=spec.http_port,
+                    log_path=str(log_path),
+                    spec=spec,
+                )
+            )
+        shard = Shard(
+            spec=spec,
+            engine=engine,
+            pid=decision.pid,
+            start_time=decision.start_time,
+            pidfd=fd,
+            log_path=log_path,
+            adopted=True,
+            running=True,
+        )
+        shard.spawned.set()
+        try:
+            shard.launch = plan(spec, self.gpus, self.launch_context(engine))
+        except ProfileRefused as exc:
+            log.warning(
+                "adopted shard %s no longer validates (%s); watching it anyway", decision.shard_id, exc
+            )
+        log.info("adopted %s: engine pid %d still running", decision.shard_id, decision.pid)
+        return shard
+
+    def _drop(self, decision: adopt.Drop) -> None:
+        if decision.set_aside:
+            try:
+                self.records.set_aside(decision.loaded)
+            except OSError as exc:
+                log.warning("cannot move %s aside: %s", decision.loaded.path, exc)
+        else:
+            decision.loaded.path.unlink(missing_ok=True)
+
+    async def _probe_adopted(self, shard: Shard) -> None:
+        launch = shard.launch
+        if launch is None or launch.readiness.follow_rank0:
+            return
+        with trio.move_on_after(ADOPT_PROBE_SECONDS):
+            async with self._client(shard, timeout=ADOPT_PROBE_SECONDS) as client:
+                verdict, detail = await self._check_ready(client, shard)
+            if verdict is Verdict.READY:
+                self._set(shard, State.READY)
+            else:
+                log.info("adopted %s not ready yet (%s); polling", shard.shard_id, detail)
+
+    async def _end_stray(self, pid: int, start_time: int) -> None:
+        """Stop an engine of ours that must not run (a duplicate): SIGTERM, SIGKILL after the grace."""
+        fd = await trio.to_thread.run_sync(procfs.open_pidfd, pid, start_time)
+        if fd is None:
+            return
+        try:
+            _killpg_while_alive(fd, pid, signal.SIGTERM)
+            with trio.move_on_after(self.stop_grace):
+                await trio.lowlevel.wait_readable(fd)
+            _killpg_while_alive(fd, pid, signal.SIGKILL)
+        finally:
+            os.close(fd)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -199,36 +392,121 @@ class Supervisor:
         log.info("shard %s: %s%s", shard.shard_id, state.name, f" ({shard.error})" if shard.error else "")
 
     def statuses(self) -> list[schema.ShardStatus]:
+        """Every shard this supervisor knows, live or ended."""
         return [s.status(self.node_id) for s in self.shards.values()]
+
+    def register_statuses(self) -> list[schema.ShardStatus]:
+        """What Register lists (the proto's ``Register.shards``): every live shard, and the shards
+        that ended since the last Register the control plane acknowledged."""
+        return [s.status(self.node_id) for s in self.shards.values() if s.live or not s.end_reported]
+
+    def register_acknowledged(self, listed: Iterable[schema.ShardStatus]) -> None:
+        """The control plane has the Register that listed ``listed``: ended shards in it, at the
+        version listed, are not listed again."""
+        for status in listed:
+            shard = self.shards.get(status.shard_id)
+            if shard is not None and not shard.live and shard.state == status.state:
+                shard.end_reported = True
 
     # -- commands ------------------------------------------------------------------------------
 
-    def start(self, spec: schema.StartShard) -> Shard:
-        """Start a shard, or report the live one with that id (idempotent). Never blocks on loading.
+    async def start(self, spec: schema.StartShard) -> Shard:
+        """Start a shard, or report the one with that id that is live or still being spawned
+        (idempotent). Returns once the process exists (or could not be started); never waits for
+        loading.
 
-        Raises :class:`ProfileRefused` (after recording the shard as failed, so watchers report it)
-        when the profile is one the engine would refuse; nothing is spawned then.
+        Raises :class:`ProfileRefused` when the shard id is invalid (nothing recorded) or the profile
+        is one the engine would refuse (recorded as failed, so watchers report it); nothing is
+        spawned then. A start that fails otherwise (its port is taken) returns the shard FAILED.
         """
         assert self._nursery is not None, "Supervisor.run() must be started first"
+        problem = shard_id_problem(spec.shard_id)
+        if problem:
+            raise ProfileRefused("shard-id", problem)
+        pending = self._pending.get(spec.shard_id)
+        if pending is not None:
+            await pending.spawned.wait()
+            return pending
         existing = self.shards.get(spec.shard_id)
-        if existing is not None and existing.live:
+        if existing is not None and (existing.live or existing.running):
             return existing
         engine = spec.profile.engine if spec.profile else ""
         shard = Shard(spec=spec, engine=engine)
-        self.shards[spec.shard_id] = shard
         try:
             shard.launch = plan(spec, self.gpus, self.launch_context(engine))
         except ProfileRefused as exc:
+            shard.spawned.set()
+            self.shards[spec.shard_id] = shard
             self._set(shard, State.FAILED, error=f"StartShard refused: {exc}")
             raise
-        shard.log_path = self.log_dir / f"{_safe(spec.shard_id)}.log"
-        command = shard.launch.command
-        env = {**os.environ, **command.env}
-        with open(shard.log_path, "ab") as logf:
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            logf.write(f"=== llmgw {stamp}: starting {spec.shard_id}: {' '.join(command.argv)}\n".encode())
-            logf.flush()
-            try:
+        self._pending[spec.shard_id] = shard
+        self._nursery.start_soon(self._launch, shard)
+        await shard.spawned.wait()
+        return shard
+
+    async def _launch(self, shard: Shard) -> None:
+        """Spawn (in a worker thread), announce, then watch; in the supervisor's nursery, so that a
+        session cancelled mid-start cannot leave an engine nobody watches."""
+        error = ""
+        spawned: Spawned | None = None
+        try:
+            spawned = await trio.to_thread.run_sync(self._spawn, shard)
+        except LaunchFailed as exc:
+            error = str(exc)
+        finally:
+            del self._pending[shard.shard_id]
+            self.shards[shard.shard_id] = shard
+        if spawned is None:
+            self._set(shard, State.FAILED, error=error, output_tail=[])
+            shard.spawned.set()
+            return
+        shard.proc, shard.pid, shard.pidfd = spawned.proc, spawned.proc.pid, spawned.pidfd
+        shard.start_time, shard.log_path, shard.running = spawned.start_time, spawned.log_path, True
+        self._set(shard, State.STARTING, error="", exit_code=None, output_tail=[])
+        shard.spawned.set()
+        await self._lifecycle(shard)
+
+    def _spawn(self, shard: Shard) -> Spawned:
+        """Port check, intent record, log file, spawn, pidfd, record: the blocking part of a start,
+        in a worker thread. Raises :class:`LaunchFailed` with nothing left running."""
+        spec, launch = shard.spec, shard.launch
+        assert launch is not None
+        if spec.http_port and not launch.readiness.follow_rank0:
+            holder = procfs.port_in_use(spec.http_port)
+            if holder:
+                raise LaunchFailed(
+                    f"port {spec.http_port} is already in use by {holder}; not starting a second "
+                    "engine on it (stop that process, or let the control plane place the shard elsewhere)"
+                )
+        log_path = self.log_dir / f"{spec.shard_id}.log"
+        record = ShardRecord(
+            shard_id=spec.shard_id,
+            engine=shard.engine,
+            pid=0,
+            start_time=0,
+            port=spec.http_port,
+            log_path=str(log_path),
+            spec=spec,
+        )
+        try:
+            self.records.save(record)  # the intent: durable before anything can outlive us
+        except OSError as exc:
+            raise LaunchFailed(
+                f"cannot record the intent to start in {self.records.dir}: {exc.strerror or exc}; "
+                "not starting an engine the agent could lose track of"
+            ) from exc
+        self._test_hook("after-intent")
+        command = launch.command
+        # Ours last: a profile's env must not be able to disown or misname the engine.
+        env = {**os.environ, **command.env, **procfs.marker_env(spec.shard_id, self.owner, spec)}
+        env.pop(TEST_KILL_AT_ENV, None)
+        try:
+            with open(log_path, "ab") as logf:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                logf.write(
+                    f"=== llmgw {stamp}: starting {spec.shard_id}: {' '.join(command.argv)}\n".encode()
+                )
+                logf.flush()
                 proc = subprocess.Popen(
                     command.argv,
                     env=env,
@@ -238,27 +516,33 @@ class Supervisor:
                     start_new_session=True,
                     close_fds=True,
                 )
-            except OSError as exc:
-                self._set(shard, State.FAILED, error=f"cannot start {command.argv[0]}: {exc.strerror or exc}")
-                return shard
-        shard.proc = proc
-        shard.pid = proc.pid
-        start_time = process_start_time(proc.pid)
-        if start_time is not None:
-            self.records.save(
-                ShardRecord(
-                    shard_id=spec.shard_id,
-                    engine=engine,
-                    pid=proc.pid,
-                    start_time=start_time,
-                    port=spec.http_port,
-                    log_path=str(shard.log_path),
-                    spec=spec,
-                )
-            )
-        self._set(shard, State.STARTING, error="", exit_code=None, output_tail=[])
-        self._spawn_lifecycle(shard)
-        return shard
+        except OSError as exc:
+            self.records.remove(spec.shard_id)
+            raise LaunchFailed(f"cannot start {command.argv[0]}: {exc.strerror or exc}") from exc
+        self._test_hook("after-spawn")
+        # Our child, not reaped until the lifecycle says so: the pid cannot have been reused yet.
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except OSError as exc:
+            os.killpg(proc.pid, signal.SIGKILL)  # unreaped, so the group id is still this engine's
+            proc.wait()
+            self.records.remove(spec.shard_id)
+            raise LaunchFailed(
+                f"cannot open a pidfd for engine pid {proc.pid}: {exc.strerror or exc}"
+            ) from exc
+        stat = procfs.read_stat(proc.pid)
+        start_time = stat.start_time if stat is not None else 0
+        try:
+            self.records.save(attrs.evolve(record, pid=proc.pid, start_time=start_time))
+        except OSError as exc:
+            # The intent and the marker are enough for a restarted agent to find this engine.
+            log.warning("shard %s: cannot record pid %d: %s", spec.shard_id, proc.pid, exc)
+        return Spawned(proc=proc, pidfd=pidfd, start_time=start_time, log_path=log_path)
+
+    def _test_hook(self, point: str) -> None:
+        if self.test_kill_at == point:
+            log.warning("test hook %s=%s: the agent kills itself now", TEST_KILL_AT_ENV, point)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def stop(self, shard_id: str, grace: float | None = None) -> Shard | None:
         """SIGTERM the engine's process group now, SIGKILL after ``grace``; returns at once."""
@@ -278,18 +562,18 @@ class Supervisor:
         self._nursery.start_soon(self._drain, shard, max(deadline, 0.0))
         return shard
 
-    def logs(self, shard_id: str, lines: int = 100) -> list[str]:
+    async def logs(self, shard_id: str, lines: int = 100) -> list[str]:
+        """The tail of the shard's log; the log file outlives the shard, so an id this supervisor no
+        longer holds is still answered when its file is there."""
         shard = self.shards.get(shard_id)
-        if shard is None:
+        path = shard.log_path if shard is not None else None
+        if path is None and not shard_id_problem(shard_id):
+            candidate = self.log_dir / f"{shard_id}.log"
+            if await trio.to_thread.run_sync(candidate.exists):
+                path = candidate
+        if shard is None and path is None:
             raise KeyError(f"no shard {shard_id!r} on this node")
-        return tail(shard.log_path, lines)
-
-    def remove(self, shard_id: str) -> None:
-        """Forget a shard that is no longer live (its log file stays for a person to read)."""
-        shard = self.shards.get(shard_id)
-        if shard is not None and not shard.live:
-            del self.shards[shard_id]
-            self.records.remove(shard_id)
+        return await trio.to_thread.run_sync(tail, path, lines)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -298,13 +582,14 @@ class Supervisor:
         self._nursery.start_soon(self._lifecycle, shard)
 
     async def _lifecycle(self, shard: Shard) -> None:
-        """Watch readiness and exit together; whichever ends first decides the next state."""
+        """Watch health and exit together; whichever ends first decides the next state."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._readiness, shard)
+            nursery.start_soon(self._watch_health, shard)
             code = await self._wait_exit(shard)
             nursery.cancel_scope.cancel()
-        self.records.remove(shard.shard_id)
-        output = tail(shard.log_path)
+        await trio.to_thread.run_sync(self.records.remove, shard.shard_id)
+        output = await trio.to_thread.run_sync(tail, shard.log_path)
+        shard.running = False
         if code is None:
             exit_code, how = None, "exited (exit code unknown: the process was adopted, not our child)"
         else:
@@ -315,58 +600,132 @@ class Supervisor:
             shard.exit_code, shard.output_tail = exit_code, output  # already failed (ready timeout)
             self._set(shard, State.FAILED)
         else:
-            when = "after it was ready" if shard.state in (State.READY, State.DRAINING) else "while loading"
+            after_ready = shard.state in (State.READY, State.UNHEALTHY, State.DRAINING)
+            when = "after it was ready" if after_ready else "while loading"
             self._set(
                 shard, State.FAILED, error=f"engine {how} {when}", exit_code=exit_code, output_tail=output
             )
 
     async def _wait_exit(self, shard: Shard) -> int | None:
-        """Wait for the engine to exit, by pidfd (no polling, works for adopted non-children too)."""
-        try:
-            fd = os.pidfd_open(shard.pid)
-        except ProcessLookupError:
-            fd = -1
+        """Wait for the engine to exit (its pidfd turns readable: no polling, works for adopted
+        non-children too), end what is left of its process group, then reap it if it is ours."""
+        fd = shard.pidfd
         if fd >= 0:
-            try:
-                await trio.lowlevel.wait_readable(fd)
-            finally:
-                os.close(fd)
+            await trio.lowlevel.wait_readable(fd)
+            await trio.to_thread.run_sync(self._sweep, shard)
+            shard.pidfd = -1
+            os.close(fd)
         if shard.proc is not None:
             return await trio.to_thread.run_sync(shard.proc.wait)
         return None
 
-    async def _readiness(self, shard: Shard) -> None:
+    def _sweep(self, shard: Shard) -> None:
+        """End the engine's own processes that outlived it (workers, helpers): found by marker and
+        process group, each signalled through a pidfd of its own. Runs in a worker thread."""
+        for member in procfs.marked_members(shard.pid, self.owner, shard.shard_id):
+            fd = procfs.open_pidfd(member.pid, member.start_time)
+            if fd is None:
+                continue
+            try:
+                log.warning("shard %s: pid %d outlived its engine; SIGKILL", shard.shard_id, member.pid)
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(fd)
+
+    def _client(self, shard: Shard, timeout: float) -> httpx.AsyncClient:
+        base = f"http://{self.probe_host}:{shard.spec.http_port}"
+        return httpx.AsyncClient(base_url=base, timeout=timeout)
+
+    async def _check_ready(self, client: httpx.AsyncClient, shard: Shard) -> tuple[Verdict, str]:
+        """One readiness check, then whether the answer came from this engine's own socket."""
+        assert shard.launch is not None
+        check = await check_ready(client, shard.launch.readiness)
+        if check.verdict is not Verdict.READY or shard.pid <= 0:
+            return check.verdict, check.detail
+        problem = await trio.to_thread.run_sync(procfs.listener_problem, shard.spec.http_port, shard.pid)
+        if problem:
+            return Verdict.NOT_YET, f"{problem}: its answers do not count"
+        return Verdict.READY, check.detail
+
+    async def _watch_health(self, shard: Shard) -> None:
+        """Readiness until READY (unless adopted ready), then liveness for as long as it runs."""
         launch = shard.launch
         if launch is None:
             return
-        ready = launch.readiness
-        if ready.follow_rank0:
+        if launch.readiness.follow_rank0:
             # A worker rank has no HTTP of its own; it is ready when rank 0 is, which only the
             # control plane can see. Running is all this node can vouch for.
-            self._set(shard, State.READY)
+            if shard.state is State.STARTING:
+                self._set(shard, State.READY)
             return
+        if shard.state is State.STARTING and not await self._await_ready(shard):
+            return
+        await self._watch_liveness(shard)
+
+    async def _await_ready(self, shard: Shard) -> bool:
         timeout = shard.spec.ready_timeout_seconds or DEFAULT_READY_TIMEOUT
-        base = f"http://{self.probe_host}:{shard.spec.http_port}"
         last = "no answer yet"
-        async with httpx.AsyncClient(base_url=base, timeout=min(5.0, timeout)) as client:
+        async with self._client(shard, timeout=min(5.0, timeout)) as client:
             with trio.move_on_after(timeout):
                 while True:
-                    ok, last = await _probe(client, ready)
-                    if ok:
-                        if shard.state is State.STARTING:
+                    verdict, last = await self._check_ready(client, shard)
+                    if verdict is Verdict.READY:
+                        if shard.state is State.STARTING and not shard.stopping:
                             self._set(shard, State.READY)
-                        return
+                        return shard.state is State.READY
+                    if verdict is Verdict.WRONG_MODEL:
+                        self._fail_start(shard, f"{last} (GET /v1/models on port {shard.spec.http_port})")
+                        return False
                     await trio.sleep(self.poll_interval)
-        if shard.state is State.STARTING:
-            self._set(
-                shard,
-                State.FAILED,
-                error=f"not ready within {timeout:g} s (last check: {last}); stopping the engine",
-                output_tail=tail(shard.log_path),
-            )
-            self._signal_group(shard, signal.SIGTERM)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._kill_after, shard, self.stop_grace)
+        self._fail_start(shard, f"not ready within {timeout:g} s (last check: {last})")
+        return False
+
+    def _fail_start(self, shard: Shard, why: str) -> None:
+        """A start that cannot succeed: FAILED with the reason, and the engine stopped."""
+        if shard.state is not State.STARTING:
+            return
+        self._set(shard, State.FAILED, error=f"{why}; stopping the engine")
+        assert self._nursery is not None
+        self._nursery.start_soon(self._tail_into, shard)
+        self._signal_group(shard, signal.SIGTERM)
+        self._nursery.start_soon(self._kill_after, shard, self.stop_grace)
+
+    async def _tail_into(self, shard: Shard) -> None:
+        output = await trio.to_thread.run_sync(tail, shard.log_path)
+        if shard.state is State.FAILED and not shard.output_tail:
+            self._set(shard, State.FAILED, output_tail=output)
+
+    async def _watch_liveness(self, shard: Shard) -> None:
+        """kubelet's liveness probe: one probe every ``period`` (each bounded by ``timeout``), and
+        ``failures`` misses in a row make the shard UNHEALTHY; a pass makes it READY again."""
+        assert shard.launch is not None
+        probe = self.liveness
+        path = shard.launch.readiness.health_path
+        failures = 0
+        async with self._client(shard, timeout=probe.timeout) as client:
+            next_at = trio.current_time() + probe.period
+            while True:
+                await trio.sleep_until(next_at)
+                # A fixed schedule (not sleep-after-probe): a hung engine is found within
+                # period x failures (+ one timeout), however long each failed probe waited.
+                next_at = max(next_at + probe.period, trio.current_time())
+                if shard.stopping or shard.state not in (State.READY, State.UNHEALTHY):
+                    return
+                problem = await check_live(client, path, probe.timeout)
+                if shard.stopping or shard.state not in (State.READY, State.UNHEALTHY):
+                    return
+                step = liveness_step(shard.state, failures, not problem, probe.failures)
+                failures = step.failures
+                if step.state is shard.state:
+                    continue
+                if step.state is State.UNHEALTHY:
+                    error = f"liveness probe failed {failures} times in a row: {problem}"
+                    self._set(shard, State.UNHEALTHY, error=error)
+                else:
+                    log.info("shard %s: liveness probe passes again", shard.shard_id)
+                    self._set(shard, State.READY, error="")
 
     def _begin_stop(self, shard: Shard, grace: float) -> None:
         shard.stopping = True
@@ -376,18 +735,17 @@ class Supervisor:
 
     async def _kill_after(self, shard: Shard, grace: float) -> None:
         await trio.sleep(grace)
-        if shard.live or shard.state is State.FAILED:
-            if process_start_time(shard.pid) is not None:
-                log.warning("shard %s did not stop within %g s of SIGTERM; SIGKILL", shard.shard_id, grace)
-                self._signal_group(shard, signal.SIGKILL)
+        if shard.running and shard.pidfd >= 0 and not procfs.pidfd_exited(shard.pidfd):
+            log.warning("shard %s did not stop within %g s of SIGTERM; SIGKILL", shard.shard_id, grace)
+            self._signal_group(shard, signal.SIGKILL)
 
     def _signal_group(self, shard: Shard, sig: signal.Signals) -> None:
-        if shard.pid <= 0:
+        """Signal the engine's process group, only while its pidfd says the leader has not exited
+        (see the module docstring for why that makes the group id safe to use)."""
+        if shard.pidfd < 0:
             return
         try:
-            os.killpg(shard.pid, sig)
-        except ProcessLookupError:
-            pass
+            _killpg_while_alive(shard.pidfd, shard.pid, sig)
         except PermissionError as exc:
             log.warning("cannot signal shard %s (pid %d): %s", shard.shard_id, shard.pid, exc)
 
@@ -402,45 +760,21 @@ class Supervisor:
         url = f"http://{self.probe_host}:{shard.spec.http_port}/metrics"
         async with httpx.AsyncClient(timeout=2.0) as client:
             while trio.current_time() < end and shard.state is State.DRAINING:
-                in_flight = await _in_flight(client, url)
-                if in_flight == 0:
+                if await in_flight(client, url) == 0:
                     break
                 await trio.sleep(min(self.poll_interval, max(end - trio.current_time(), 0)))
         if shard.state is State.DRAINING:
             self._begin_stop(shard, self.stop_grace)
 
 
-async def _probe(client: httpx.AsyncClient, ready: Readiness) -> tuple[bool, str]:
+def _killpg_while_alive(pidfd: int, pgid: int, sig: signal.Signals) -> None:
+    """``killpg(pgid, sig)`` if the leader behind ``pidfd`` has not exited; a no-op otherwise."""
+    if procfs.pidfd_exited(pidfd):
+        return
     try:
-        health = await client.get(ready.health_path)
-        if health.status_code != 200:
-            return False, f"GET {ready.health_path} -> {health.status_code}"
-        if ready.models_path:
-            models = await client.get(ready.models_path)
-            if models.status_code != 200 or not ready.model_listed(models.content):
-                return (
-                    False,
-                    f"GET {ready.models_path} -> {models.status_code}, {ready.model_name!r} not listed",
-                )
-        return True, "ready"
-    except httpx.HTTPError as exc:
-        return False, f"GET {ready.health_path}: {type(exc).__name__}"
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
-async def _in_flight(client: httpx.AsyncClient, url: str) -> float | None:
-    """Requests the engine is still running, from its Prometheus gauges; ``None`` when unknown."""
-    try:
-        resp = await client.get(url)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
-        return None
-    values = [float(m.group(3)) for m in _IN_FLIGHT.finditer(resp.content)]
-    return sum(values) if values else None
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-
-
-__all__ = ["LIVE_STATES", "Shard", "Supervisor", "tail"]
+__all__ = ["LIVE_STATES", "LaunchFailed", "LivenessProbe", "Shard", "Supervisor", "tail"]
