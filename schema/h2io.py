@@ -28,6 +28,8 @@ from hyperframe.frame import GoAwayFrame
 
 from schema import framing
 
+_CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
 
 class TransportError(Exception):
     """The connection or the stream under an RPC failed; a session should reconnect."""
@@ -42,15 +44,23 @@ class PeerUnresponsive(TransportError):
 
 
 class GoAwayReceived(TransportError):
-    """The peer sent GOAWAY: it will take no new streams, and ended ours with the given code."""
+    """The peer sent GOAWAY: it will take no new streams, and ended ours with the given code.
+
+    With ``NO_ERROR`` this is a graceful goodbye (a control plane shutting down), not a failure of
+    either side; the debug text is the peer's and is shown escaped and cut to a bounded length.
+    """
 
     def __init__(self, error_code: int, last_stream_id: int, debug: bytes) -> None:
         name = _error_name(error_code)
-        detail = f": {debug.decode('utf-8', 'replace')}" if debug else ""
+        detail = f": {peer_text(debug)}" if debug else ""
         super().__init__(f"peer sent GOAWAY ({name}, last stream {last_stream_id}){detail}")
         self.error_code = error_code
         self.last_stream_id = last_stream_id
         self.debug = debug
+
+    @property
+    def graceful(self) -> bool:
+        return self.error_code == ErrorCodes.NO_ERROR
 
 
 class StreamReset(TransportError):
@@ -72,11 +82,75 @@ def _cause(exc: BaseException) -> str:
     return str(cause) or str(exc) or type(cause).__name__
 
 
+#: Peer-supplied text shown in a log line or an error message is cut to this many characters.
+PEER_TEXT_LIMIT = 256
+
+
+def peer_text(value: bytes | str, limit: int = PEER_TEXT_LIMIT) -> str:
+    """A peer-supplied string made safe for a log line: escaped (``repr``), and cut to ``limit``.
+
+    Whatever a peer sends (GOAWAY debug data, a request line, a header) may hold control characters
+    that would forge log lines or drive a terminal; ``repr`` shows them as escapes instead.
+    """
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    if len(text) > limit:
+        return repr(text[:limit]) + f" (cut at {limit} of {len(text)} characters)"
+    return repr(text)
+
+
 def _error_name(code: int) -> str:
     try:
         return ErrorCodes(code).name
     except ValueError:
         return f"error code {code}"
+
+
+_FRAME_HEADER_SIZE = 9
+_GOAWAY = 0x7
+
+
+class GoAwayFinder:
+    """Finds where the peer's first GOAWAY frame ends in the bytes it sends (sans-IO).
+
+    h2 moves its connection to CLOSED as soon as it reads a GOAWAY, and from then on raises
+    ``ProtocolError`` for every other frame: a WINDOW_UPDATE, a PING or the rest of a stream that the
+    peer wrote just after its GOAWAY (RFC 9113 6.8 allows all of them) would turn a graceful goodbye
+    into "HTTP/2 protocol error ... in state CLOSED", and the GOAWAY itself would be lost with the
+    batch. So bytes are fed to h2 up to the end of the first GOAWAY frame and no further; what follows
+    is absorbed, since both ends of this transport end every stream at a GOAWAY anyway.
+
+    Only frame headers are read (9 bytes each); payloads are skipped, so the cost is one small step
+    per frame. ``skip`` is the number of bytes to pass over first: a server's 24-byte client preface.
+    """
+
+    def __init__(self, skip: int = 0) -> None:
+        self._skip = skip
+        self._head = b""
+        self._in_goaway = False
+
+    def end_of_goaway(self, data: bytes) -> int | None:
+        """The offset in ``data`` just past the end of the first GOAWAY frame, or ``None``."""
+        pos, size = 0, len(data)
+        while pos < size:
+            if self._skip:
+                step = min(self._skip, size - pos)
+                self._skip -= step
+                pos += step
+                if not self._skip and self._in_goaway:
+                    return pos
+                continue
+            take = _FRAME_HEADER_SIZE - len(self._head)
+            self._head += data[pos : pos + take]
+            pos += take
+            if len(self._head) < _FRAME_HEADER_SIZE:
+                return None
+            length = int.from_bytes(self._head[:3], "big")
+            self._in_goaway = self._head[3] == _GOAWAY
+            self._head = b""
+            self._skip = length
+            if self._in_goaway and not length:
+                return min(pos, size)  # malformed (too short); h2 says so when it reads it
+        return None
 
 
 class H2Transport:
@@ -85,6 +159,12 @@ class H2Transport:
     def __init__(self, stream: trio.abc.Stream, conn: h2.connection.H2Connection) -> None:
         self.stream = stream
         self.conn = conn
+        # A server reads the client's connection preface before the first frame.
+        self._goaway_finder = GoAwayFinder(0 if conn.config.client_side else len(_CLIENT_PREFACE))
+        #: True once the peer's GOAWAY was fed to h2: every later byte is absorbed unread.
+        self.peer_went_away = False
+        #: True once we announced a graceful GOAWAY (see :meth:`announce_goaway`).
+        self.goaway_announced = False
         self.error: TransportError | None = None
         self.streams: dict[int, H2Stream] = {}
         self._send_lock = trio.Lock()
@@ -140,9 +220,12 @@ class H2Transport:
             return
         while self.error is None:
             await trio.sleep(interval)
+            if self.error is not None or self.peer_went_away:
+                return
             try:
                 answered = await self.ping(timeout)
-            except TransportError:
+            except (TransportError, h2.exceptions.ProtocolError):
+                # h2 refuses a PING once either side sent GOAWAY: the connection is ending anyway.
                 return
             if not answered:
                 self.fail(PeerUnresponsive(f"peer did not answer an HTTP/2 PING within {timeout:g} s"))
@@ -159,8 +242,20 @@ class H2Transport:
             raise self.fail(ConnectionLost(f"connection lost: {_cause(exc)}")) from exc
         if not data:
             raise self.fail(ConnectionLost("peer closed the connection"))
-        events = self.conn.receive_data(data)
-        return events
+        return self.feed(bytes(data))
+
+    def feed(self, data: bytes) -> list[h2.events.Event]:
+        """Feed the peer's bytes to h2 and return its events; see :class:`GoAwayFinder`.
+
+        Raises ``h2.exceptions.ProtocolError`` for a real protocol violation by the peer.
+        """
+        if self.peer_went_away:
+            return []
+        end = self._goaway_finder.end_of_goaway(data)
+        if end is not None:
+            data = data[:end]
+            self.peer_went_away = True
+        return self.conn.receive_data(data)
 
     def handle_common(self, event: h2.events.Event) -> bool:
         """Handle what both ends treat alike; ``True`` when the event was consumed here."""
@@ -175,8 +270,9 @@ class H2Transport:
         if isinstance(event, h2.events.DataReceived):
             st = self.streams.get(event.stream_id)
             if st is None:
-                # Data for a stream we already finished: give the window back and drop it.
-                if event.flow_controlled_length:
+                # Data for a stream we already finished: give the window back and drop it (not
+                # after a GOAWAY: then the connection is ending and nothing more is sent on it).
+                if event.flow_controlled_length and not self.peer_went_away and self.error is None:
                     self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 return True
             st.on_data(event.data or b"", event.flow_controlled_length or 0)
@@ -236,6 +332,9 @@ class H2Transport:
         that follows, which would cut off the very streams a graceful shutdown means to drain. So the
         frame is built here and written after whatever h2 has queued, leaving h2's state open.
         """
+        if self.goaway_announced or self.error is not None:
+            return
+        self.goaway_announced = True
         frame = GoAwayFrame(0)
         frame.last_stream_id = self.conn.highest_inbound_stream_id
         frame.error_code = ErrorCodes.NO_ERROR
@@ -247,6 +346,17 @@ class H2Transport:
                     await self.stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
+
+    async def refuse(self, exc: h2.exceptions.ProtocolError, debug: str) -> None:
+        """Answer the peer's protocol violation with one GOAWAY that says why, best effort.
+
+        h2 has already queued a bare GOAWAY of its own (with the violation's error code); it is
+        replaced by one with the same code and our words, and nothing else queued is sent: after a
+        violation the peer's view of the connection is broken, so only the explanation matters.
+        """
+        self.conn.data_to_send()
+        code = getattr(exc, "error_code", None) or ErrorCodes.PROTOCOL_ERROR
+        await self.goaway(ErrorCodes(code), debug)
 
     async def goaway(self, error_code: ErrorCodes = ErrorCodes.NO_ERROR, debug: str = "") -> None:
         """Send GOAWAY, best effort: the peer may already be gone."""
@@ -313,7 +423,9 @@ class H2Stream:
         self._event = trio.Event()
 
     def _acknowledge(self, n: int) -> None:
-        if n <= 0:
+        # No WINDOW_UPDATE once the connection failed or the peer sent GOAWAY: h2 would still queue
+        # one, and the peer would read a frame on a connection it has finished with.
+        if n <= 0 or self.transport.error is not None or self.transport.peer_went_away:
             return
         try:
             self.transport.conn.acknowledge_received_data(n, self.stream_id)

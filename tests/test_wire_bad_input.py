@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 import trio
+from h2.errors import ErrorCodes
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 
+import schema
 from agent.transport import Code, RpcError, StreamOptions, open_stream
 from control.transport import StreamServer
 from schema import framing
-from tests.rawh2 import raw_call
-from tests.wirepeers import heartbeat
+from tests.rawh2 import RawPeer, raw_call
+from tests.wirepeers import heartbeat, nursery_handler, register
 
 
 @pytest.fixture
@@ -23,7 +27,7 @@ async def bystander(echo_server: tuple[StreamServer, int]) -> AsyncIterator[tupl
         yield port, stream
         await stream.send(heartbeat(424242))
         reply = await stream.receive()
-        assert reply is not None and reply.ack.message_id == 424242
+        assert reply is not None and reply.ack is not None and reply.ack.message_id == 424242
 
 
 async def test_garbage_bytes_get_a_goaway_that_says_why(bystander: tuple[int, object]) -> None:
@@ -123,3 +127,113 @@ async def test_client_refuses_server_that_is_not_rpc(nursery: trio.Nursery) -> N
         with pytest.raises(RpcError) as info:
             await stream.receive()
     assert info.value.code is Code.INTERNAL and "AssertionError" in info.value.message
+
+
+# -- protocol violations and lost peers: one line each, never a traceback ----------------------------
+
+
+def _transport_records(
+    caplog: pytest.LogCaptureFixture, level: int = logging.WARNING
+) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "llmgw.control.transport" and r.levelno >= level]
+
+
+async def test_rapid_reset_flood_gets_goaway_and_one_warning(
+    bystander: tuple[int, object], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.control.transport")
+    port, _ = bystander
+    peer = await RawPeer.connect(port)
+    # 200 streams, each reset in the same write that opened it (CVE-2023-44487's pattern).
+    await peer.send(b"".join(peer.headers(sid) + peer.rst(sid) for sid in range(1, 401, 2)))
+    frames = await peer.read_until_closed()
+    goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+    assert [g.error_code for g in goaways] == [ErrorCodes.ENHANCE_YOUR_CALM]
+    assert b"rapid-reset flood" in goaways[0].additional_data
+    warnings = _transport_records(caplog)
+    assert [r.levelname for r in warnings] == ["WARNING"], [r.getMessage() for r in warnings]
+    assert "65 streams reset by the peer within 10 s (at most 64 allowed)" in warnings[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)
+
+
+async def test_stream_id_too_low_gets_goaway_protocol_error_and_one_warning(
+    bystander: tuple[int, object], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.control.transport")
+    port, _ = bystander
+    peer = await RawPeer.connect(port)
+    # Stream 3 opens (and its handler starts), then stream 1: ids must increase (RFC 9113 5.1.1).
+    await peer.send(peer.headers(3) + peer.headers(1))
+    frames = await peer.read_until_closed()
+    goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
+    assert [g.error_code for g in goaways] == [ErrorCodes.PROTOCOL_ERROR]
+    assert b"stream ID" in goaways[0].additional_data or b"StreamIDTooLow" in goaways[0].additional_data
+    warnings = _transport_records(caplog)
+    assert [r.levelname for r in warnings] == ["WARNING"], [r.getMessage() for r in warnings]
+    assert "HTTP/2 protocol error" in warnings[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)
+
+
+async def test_a_stream_reset_as_it_opens_is_no_violation(
+    bystander: tuple[int, object], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One cancel is ordinary (a client gave up): the same connection goes on serving."""
+    caplog.set_level(logging.INFO, logger="llmgw.control.transport")
+    port, _ = bystander
+    peer = await RawPeer.connect(port)
+    message = framing.encode(bytes(heartbeat(77)))
+    await peer.send(peer.headers(1) + peer.rst(1) + peer.headers(3) + peer.data(3, message, end_stream=True))
+
+    def trailers(frames: list[Frame]) -> bool:
+        return any(
+            isinstance(f, HeadersFrame) and f.stream_id == 3 and "END_STREAM" in f.flags for f in frames
+        )
+
+    frames = await peer.read_until("stream 3's trailers", trailers)
+    await peer.aclose()
+    answer = b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == 3)
+    ack = schema.ControlMessage.parse(answer[framing.HEADER_SIZE :]).ack
+    assert ack is not None and ack.message_id == 77
+    assert not any(isinstance(f, GoAwayFrame) for f in frames)
+    assert _transport_records(caplog) == []
+
+
+async def test_lost_agent_is_one_info_line_naming_node_and_address(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent killed mid-stream: today's handler shape (a nursery of sender and receiver) turned
+    this into an ERROR with an ExceptionGroup traceback and the peer shown as '?'."""
+    caplog.set_level(logging.INFO, logger="llmgw.control.transport")
+    ended: list[logging.LogRecord] = []
+    logged = trio.Event()
+
+    class StreamEnds(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "stream ended" in record.getMessage():
+                ended.append(record)
+                logged.set()
+
+    watch = StreamEnds()
+    logging.getLogger("llmgw.control.transport").addHandler(watch)
+    try:
+        server = StreamServer(nursery_handler)
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        peer = await RawPeer.connect(port)
+        address = f"127.0.0.1:{peer.sock.socket.getsockname()[1]}"
+        # The node id is the peer's own words: a newline in it must not forge a second log line.
+        message = framing.encode(bytes(register("gpu-x\nERROR forged")))
+        await peer.send(peer.headers(1) + peer.data(1, message))
+        await peer.read_until("the Register's ack", lambda fs: any(isinstance(f, DataFrame) for f in fs))
+        await peer.aclose()  # what the kernel does for a process killed with SIGKILL
+        with trio.fail_after(5):
+            await logged.wait()
+    finally:
+        logging.getLogger("llmgw.control.transport").removeHandler(watch)
+    assert len(ended) == 1
+    assert ended[0].levelname == "INFO"
+    assert ended[0].getMessage() == (
+        f"node 'gpu-x\\nERROR forged' ({address}): grpc stream ended: the peer closed the connection"
+    )
+    assert _transport_records(caplog) == []
+    assert not any(r.exc_info for r in caplog.records)
+    assert server.active_streams == 0

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import functools
+import queue
 
+import grpc
 import h2.config
 import h2.connection
 import h2.events
 import pytest
 import trio
 from h2.errors import ErrorCodes
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, WindowUpdateFrame
 
+import schema
 from agent.transport import (
-    Code,
     GoAwayReceived,
     PeerUnresponsive,
-    RpcError,
     StreamOptions,
     StreamReset,
     TransportError,
     open_stream,
 )
-from control.transport import StreamServer
+from control.transport import ServerLimits, StreamServer
+from schema import framing
+from tests.rawh2 import split_frames
 from tests.wirepeers import echo_handler, heartbeat
 
 
@@ -111,13 +115,131 @@ async def test_graceful_shutdown_sends_goaway_then_ends_streams(nursery: trio.Nu
         assert (await stream.receive()) is not None
         with trio.fail_after(5):
             await server.shutdown(grace=0.2)
-            with pytest.raises((GoAwayReceived, RpcError)) as info:
+            with pytest.raises(GoAwayReceived) as info:
                 await stream.receive()
-    err = info.value
-    assert isinstance(err, GoAwayReceived) or (isinstance(err, RpcError) and err.code is Code.UNAVAILABLE)
+    assert info.value.graceful and "server shutting down" in str(info.value)
     assert server.active_streams == 0
     # New connections are refused once the listener is closed.
     with pytest.raises(TransportError):
         async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(connect_timeout=2)) as stream:
             await stream.send(heartbeat(2))
             await stream.receive()
+
+
+async def _goaway_then_frames_server(
+    client_frames: list[Frame],
+    done: trio.Event,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answers the stream's headers, then writes GOAWAY(NO_ERROR) with more frames right behind it
+    in the same write (RFC 9113 6.8 allows them); records every frame the client sends after."""
+
+    async def handle(sock: trio.SocketStream) -> None:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        await sock.send_all(conn.data_to_send())
+        answered = acked = False
+        while not (answered and acked):
+            data = await sock.receive_some(65536)
+            assert data, "the client left before the GOAWAY"
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.RequestReceived):
+                    conn.send_headers(
+                        ev.stream_id, [(b":status", b"200"), (b"content-type", b"application/grpc")]
+                    )
+                    answered = True
+                elif isinstance(ev, h2.events.SettingsAcknowledged):
+                    acked = True
+            await sock.send_all(conn.data_to_send())
+        goaway = GoAwayFrame(0)
+        goaway.last_stream_id = 1
+        goaway.additional_data = b"server shutting down"
+        conn_window, stream_window = WindowUpdateFrame(0), WindowUpdateFrame(1)
+        conn_window.window_increment = stream_window.window_increment = 4096
+        ping = PingFrame(0)
+        ping.opaque_data = b"12345678"
+        message = DataFrame(1)
+        message.data = framing.encode(bytes(heartbeat(9)))
+        await sock.send_all(
+            b"".join(bytes(f.serialize()) for f in (goaway, conn_window, stream_window, ping, message))
+        )
+        after = b""
+        with trio.move_on_after(5):
+            while chunk := await sock.receive_some(65536):
+                after += chunk
+        client_frames.extend(split_frames(after))
+        done.set()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handle, listeners)
+
+
+async def test_goaway_with_frames_behind_it_is_a_graceful_close(nursery: trio.Nursery) -> None:
+    """A control plane shutting down: today h2 rejected the frames after the GOAWAY, the GOAWAY was
+    lost with them, and the agent logged "HTTP/2 protocol error ... in state CLOSED"."""
+    client_frames: list[Frame] = []
+    done = trio.Event()
+    port = await nursery.start(_goaway_then_frames_server, client_frames, done)
+    async with open_stream(f"http://127.0.0.1:{port}") as stream:
+        with trio.fail_after(5), pytest.raises(GoAwayReceived) as info:
+            await stream.receive()
+    assert info.value.graceful
+    assert str(info.value) == "peer sent GOAWAY (NO_ERROR, last stream 1): 'server shutting down'"
+    with trio.fail_after(10):
+        await done.wait()
+    # Our answer is one GOAWAY(NO_ERROR) and nothing else: no WINDOW_UPDATE, no PING ACK, no reset.
+    assert [type(f).__name__ for f in client_frames] == ["GoAwayFrame"]
+    assert isinstance(client_frames[0], GoAwayFrame)
+    assert client_frames[0].error_code == ErrorCodes.NO_ERROR
+
+
+async def test_cancelled_server_says_goaway_and_ends_streams_with_unavailable(nursery: trio.Nursery) -> None:
+    """Cancelling serve() (what SIGTERM does to a control plane) is a graceful shutdown: our client
+    leaves at the GOAWAY, and grpcio, which keeps its stream after a GOAWAY, gets UNAVAILABLE."""
+    server = StreamServer(echo_handler, limits=ServerLimits(shutdown_grace=0.5))
+    grpc_ready, grpc_done = trio.Event(), trio.Event()
+    grpc_error: list[grpc.RpcError] = []
+
+    def grpc_peer(port: int) -> None:
+        outbox: queue.Queue[schema.AgentMessage | None] = queue.Queue()
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        call = channel.stream_stream(
+            schema.CONNECT_PATH, request_serializer=bytes, response_deserializer=schema.ControlMessage.parse
+        )
+        answers = call(iter(outbox.get, None), timeout=30)
+        try:
+            outbox.put(heartbeat(1))
+            next(answers)
+            trio.from_thread.run_sync(grpc_ready.set)
+            for _ in answers:
+                pass
+        except grpc.RpcError as exc:
+            grpc_error.append(exc)
+        finally:
+            outbox.put(None)
+            channel.close()
+            trio.from_thread.run_sync(grpc_done.set)
+
+    server_scope = trio.CancelScope()
+
+    async def run_server(task_status: trio.TaskStatus[int]) -> None:
+        with server_scope:
+            await server.serve("127.0.0.1", 0, task_status=task_status)
+
+    port = await nursery.start(run_server)
+    nursery.start_soon(functools.partial(trio.to_thread.run_sync, grpc_peer, port, abandon_on_cancel=True))
+    async with open_stream(f"http://127.0.0.1:{port}") as stream:
+        await stream.send(heartbeat(2))
+        assert (await stream.receive()) is not None
+        with trio.fail_after(10):
+            await grpc_ready.wait()
+        server_scope.cancel()
+        with trio.fail_after(5), pytest.raises(GoAwayReceived) as info:
+            await stream.receive()
+    assert info.value.graceful
+    with trio.fail_after(10):
+        await grpc_done.wait()
+    assert [e.code() for e in grpc_error] == [grpc.StatusCode.UNAVAILABLE]
+    assert grpc_error[0].details() == "server shutting down"
+    assert server.active_streams == 0

@@ -56,3 +56,24 @@ def register(
         message_id=message_id,
         register=schema.Register(node_id=node_id, hostname=hostname, cpu_count=cpu_count),
     )
+
+
+async def nursery_handler(stream: ServerStream) -> None:
+    """Shaped like the control plane's agent service: Register is acked, then a sender task and a
+    receiver loop share a nursery, so a lost connection surfaces as an ExceptionGroup holding the
+    receiver's TransportError and the sender's Cancelled."""
+    first = await stream.receive()
+    if first is None:
+        return
+    await stream.send(ack(first.message_id))
+    send, receive = trio.open_memory_channel[schema.ControlMessage](16)
+
+    async def sender() -> None:
+        async for message in receive:
+            await stream.send(message)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        async for msg in stream:
+            await send.send(ack(msg.message_id))
+        nursery.cancel_scope.cancel()

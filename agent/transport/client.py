@@ -41,7 +41,14 @@ import schema
 from agent import __version__
 from agent.transport.tls import ClientTLS
 from schema import framing
-from schema.h2io import ConnectionLost, H2Stream, H2Transport, PeerUnresponsive, TransportError
+from schema.h2io import (
+    ConnectionLost,
+    GoAwayReceived,
+    H2Stream,
+    H2Transport,
+    PeerUnresponsive,
+    TransportError,
+)
 from schema.rpc import (
     Code,
     RpcError,
@@ -303,15 +310,27 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
             try:
                 yield st
             finally:
-                if not (st.local_ended and st.remote_ended):
-                    with trio.CancelScope(shield=True), trio.move_on_after(1):
-                        await st.reset(ErrorCodes.CANCEL)
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    if not (st.local_ended and st.remote_ended):
+                        await st.reset(ErrorCodes.CANCEL)  # a no-op once h2 saw a GOAWAY
+                    if transport.error is None or isinstance(transport.error, GoAwayReceived):
+                        # RFC 9113 6.8: an endpoint done with a connection says GOAWAY before it
+                        # closes it; after the server's GOAWAY that is all we send.
+                        await transport.goaway(ErrorCodes.NO_ERROR)
     finally:
         await trio.aclose_forcefully(stream)
 
 
 async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
-    """The connection's only reader: socket bytes -> h2 events -> the stream."""
+    """The connection's only reader: socket bytes -> h2 events -> the stream.
+
+    A GOAWAY from the server (a control plane shutting down says GOAWAY with NO_ERROR) ends the
+    connection gracefully: the stream fails with :class:`GoAwayReceived`, whatever the server wrote
+    after its GOAWAY is absorbed unread (``H2Transport.feed``), and once the session lets go of the
+    stream we answer with our own GOAWAY (RFC 9113 6.8: a receiver with no more use for the
+    connection should) and nothing else, so the session reconnects with its backoff and no side
+    logs a protocol error.
+    """
     while transport.error is None:
         try:
             events = await transport.receive_events()
@@ -319,6 +338,7 @@ async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
             return
         except h2.exceptions.ProtocolError as exc:
             transport.fail(ConnectionLost(f"HTTP/2 protocol error from the server: {exc}"))
+            await transport.refuse(exc, str(exc))
             await transport.abort()
             return
         for event in events:
@@ -328,6 +348,8 @@ async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
                 st.on_trailers(_headers(event.headers))
             elif not transport.handle_common(event):
                 log.debug("ignored HTTP/2 event %r", event)
+        if transport.error is not None:
+            return  # a GOAWAY: the answer is sent as the stream closes (see _open_h2)
         try:
             await transport.flush()
         except TransportError:

@@ -21,6 +21,7 @@ stream with OK; raising :class:`schema.rpc.RpcError` ends it with that status.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import re
@@ -43,7 +44,7 @@ from h2.errors import ErrorCodes
 import schema
 from schema import framing
 from schema.fastpath import decode_agent_message
-from schema.h2io import H2Stream, H2Transport, StalledMessage, TransportError
+from schema.h2io import H2Stream, H2Transport, StalledMessage, TransportError, peer_text
 from schema.rpc import Code, RpcError, encode_connect_end_stream, encode_grpc_message
 
 log = logging.getLogger("llmgw.control.transport")
@@ -96,7 +97,13 @@ class ServerLimits:
     #: A message begun must be finished within this many seconds of its last byte.
     stall_timeout: float = 30.0
     #: Shutdown: after GOAWAY, streams get this long to end before they are ended with UNAVAILABLE.
-    shutdown_grace: float = 10.0
+    #: Our agents leave at the GOAWAY at once; the grace is for peers that finish their stream first
+    #: (grpcio keeps its stream open), and bounds how long a hung agent delays a SIGTERM.
+    shutdown_grace: float = 5.0
+    #: Streams a peer may reset within ``peer_reset_window`` seconds on one connection; beyond it the
+    #: connection ends with GOAWAY(ENHANCE_YOUR_CALM) (HTTP/2 rapid reset, CVE-2023-44487).
+    max_peer_resets: int = 64
+    peer_reset_window: float = 10.0
 
 
 @attrs.frozen
@@ -153,6 +160,27 @@ class ServerStream:
     peer: PeerIdentity
     #: Request headers (lower-case names), e.g. ``authorization`` or ``x-llmgw-node``.
     metadata: dict[str, str]
+    #: The node the stream's first Register named (what the agent says it is; the handler decides
+    #: whether to believe it). Log lines about the stream name it, escaped.
+    node_id: str = ""
+    #: Why the connection under the stream failed (the peer closed it, reset the stream, stopped
+    #: answering PINGs), once it has; ``None`` while it works or after an orderly end.
+    error: TransportError | None = None
+
+    def describe(self) -> str:
+        """``node 'gpu01' (10.0.0.7:51234)`` for log lines; the peer's words escaped and bounded."""
+        if self.node_id:
+            return f"node {peer_text(self.node_id, 128)} ({self.peer.address})"
+        return f"an agent at {self.peer.address}"
+
+    def _note(self, message: schema.AgentMessage) -> schema.AgentMessage:
+        if not self.node_id and message.register is not None:
+            self.node_id = message.register.node_id
+        return message
+
+    def failure(self) -> TransportError | None:
+        """The connection's failure, if the stream ended because of one."""
+        return self.error
 
     async def receive(self) -> schema.AgentMessage | None:
         """The next message, or ``None`` once the agent half-closed its side cleanly."""
@@ -166,10 +194,12 @@ class ServerStream:
         raise NotImplementedError
 
     async def _refuse(self, code: Code, message: str) -> NoReturn:
-        """Bad input from the peer: end the stream with a status that says why, and tell the handler."""
-        log.warning("%s stream from %s ended: %s: %s", self.protocol, self.peer.address, code.name, message)
+        """Bad input from the peer: end the stream with a status that says why, and tell the handler.
+
+        The handler's error carries the status to :meth:`StreamServer._run_handler`, which logs the
+        stream's one closing line (a WARNING, since the peer sent what it should not have)."""
         await self.finish(code, message)
-        raise RpcError(code, message)
+        raise PeerRefused(code, message)
 
     async def __aiter__(self) -> AsyncIterator[schema.AgentMessage]:
         while (message := await self.receive()) is not None:
@@ -177,6 +207,10 @@ class ServerStream:
 
 
 Handler = Callable[[ServerStream], Awaitable[None]]
+
+
+class PeerRefused(RpcError):
+    """The transport refused what the peer sent (a malformed, oversized or stalled message)."""
 
 
 def _parse(payload: bytes) -> schema.AgentMessage:
@@ -211,6 +245,9 @@ class _H2ServerStream(H2Stream, ServerStream):
         # The peer is gone: whatever the handler waits on, nothing it does can reach the peer now.
         self.scope.cancel()
 
+    def failure(self) -> TransportError | None:
+        return self.error or self.transport.error
+
     async def receive(self) -> schema.AgentMessage | None:
         if self.finished:
             return None
@@ -231,7 +268,7 @@ class _H2ServerStream(H2Stream, ServerStream):
         if env.end_stream:
             await self._refuse(Code.INTERNAL, "unexpected end-of-stream envelope from a client")
         try:
-            return _parse(env.payload)
+            return self._note(_parse(env.payload))
         except RpcError as exc:
             await self._refuse(exc.code, exc.message)
 
@@ -288,7 +325,7 @@ class _WsServerStream(ServerStream):
         try:
             data = await self.ws.get_message()
         except trio_websocket.ConnectionClosed as exc:
-            raise TransportError(f"websocket closed: {exc.reason}") from exc
+            raise self._closed(exc) from exc
         if isinstance(data, str):
             await self._refuse(Code.INTERNAL, "text WebSocket message; envelopes travel in binary messages")
         decoder = framing.EnvelopeDecoder(self.server.limits.max_message_size)
@@ -306,9 +343,20 @@ class _WsServerStream(ServerStream):
         if env.end_stream:
             return None
         try:
-            return _parse(env.payload)
+            return self._note(_parse(env.payload))
         except RpcError as exc:
             await self._refuse(exc.code, exc.message)
+
+    def _closed(self, exc: trio_websocket.ConnectionClosed) -> TransportError:
+        reason = exc.reason
+        if reason is None:
+            text = "the WebSocket connection was lost"
+        else:
+            words = f": {peer_text(reason.reason)}" if reason.reason else ""
+            text = f"the peer closed the WebSocket ({reason.code} {reason.name}){words}"
+        if self.error is None:
+            self.error = TransportErrorClosed(text)
+        return self.error
 
     async def send(self, message: schema.ControlMessage) -> None:
         if self.finished:
@@ -316,7 +364,7 @@ class _WsServerStream(ServerStream):
         try:
             await self.ws.send_message(framing.encode(bytes(message), 0, self.server.limits.max_message_size))
         except trio_websocket.ConnectionClosed as exc:
-            raise TransportError(f"websocket closed: {exc.reason}") from exc
+            raise self._closed(exc) from exc
 
     async def finish(self, code: Code, message: str = "") -> None:
         if self.finished:
@@ -369,6 +417,7 @@ class StreamServer:
         self.limits = limits or ServerLimits()
         self._ssl_context = tls.context() if tls else None
         self._transports: set[H2Transport] = set()
+        self._resets: dict[H2Transport, _ResetBudget] = {}
         self._streams: set[ServerStream] = set()
         self._scopes: set[trio.CancelScope] = set()
         self._listen_scope = trio.CancelScope()
@@ -391,49 +440,107 @@ class StreamServer:
         *,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen and serve until cancelled; reports the bound port through ``task_status``."""
+        """Listen and serve until cancelled; reports the bound port through ``task_status``.
+
+        Cancelling ``serve`` shuts down gracefully, within a bound (:meth:`shutdown`): a control
+        plane that is stopped (SIGTERM cancels its nursery) says GOAWAY to every agent instead of
+        vanishing, so agents read an orderly goodbye and reconnect with their backoff. The
+        connections run in a shielded scope for that reason: the outer cancellation reaches them
+        only through :meth:`shutdown`, which ends them in order and then cancels that scope.
+        """
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()[1]
         log.info("agent streams on %s://%s:%d (gRPC, Connect, WebSocket)", self.scheme, host, bound)
-        async with trio.open_nursery() as connections:
-            # Listeners live in their own scope so shutdown() can close them while the connections,
-            # which run in the outer nursery, drain.
-            with self._listen_scope:
-                async with trio.open_nursery() as listening:
-                    serve = functools.partial(trio.serve_listeners, handler_nursery=connections)
-                    await listening.start(serve, self._handle_tcp, listeners)
-                    task_status.started(bound)
+        connections_scope = trio.CancelScope(shield=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._serve_connections, listeners, connections_scope)
+            task_status.started(bound)
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self.shutdown()
+                    connections_scope.cancel()
+
+    async def _serve_connections(
+        self,
+        listeners: list[trio.SocketListener],
+        scope: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with scope:
+            async with trio.open_nursery() as connections:
+                # Listeners live in their own scope so shutdown() can close them while the
+                # connections, which run in the outer nursery, drain.
+                with self._listen_scope:
+                    async with trio.open_nursery() as listening:
+                        serve = functools.partial(trio.serve_listeners, handler_nursery=connections)
+                        await listening.start(serve, self._handle_tcp, listeners)
+                        task_status.started()
 
     async def shutdown(self, grace: float | None = None) -> None:
-        """Stop taking connections, GOAWAY every connection, let streams end, then end the rest."""
+        """Stop taking connections, GOAWAY every connection, let streams end, then end the rest.
+
+        Every step has a bound, so the whole takes at most ``grace`` (``limits.shutdown_grace``)
+        plus about 7 s however the peers behave: GOAWAY(NO_ERROR) goes to every connection at
+        once (1 s each at most: a peer that stopped reading must not hold up the rest); streams get
+        ``grace`` seconds to end (our agents leave at the GOAWAY); the rest are ended with
+        UNAVAILABLE "server shutting down" (5 s); then each connection gets a final GOAWAY and is
+        closed. Calling it again (serve's cancellation after an explicit call) repeats only what
+        is left to do. Ends with one INFO line that sums it up.
+        """
+        began = trio.current_time()
         self._shutting_down = True
         self._listen_scope.cancel()
-        for transport in list(self._transports):
-            await transport.announce_goaway("server shutting down")
+        connections = list(self._transports)
+        streams = len(self._streams)
+        async with trio.open_nursery() as nursery:
+            for transport in connections:
+                nursery.start_soon(transport.announce_goaway, "server shutting down")
         with trio.move_on_after(self.limits.shutdown_grace if grace is None else grace):
             await self._idle.wait()
+        lingering = len(self._streams)
         for scope in list(self._scopes):
             scope.cancel()
         # Cancelled handlers still send their UNAVAILABLE status; wait (bounded) until they have.
         with trio.move_on_after(5):
             await self._idle.wait()
+        async with trio.open_nursery() as nursery:
+            for transport in list(self._transports):
+                nursery.start_soon(_close_connection, transport)
+        if connections or streams:
+            log.info(
+                "agent streams shut down in %.1f s: GOAWAY to %d connection(s); of %d stream(s), "
+                "%d ended by their peers, %d ended with UNAVAILABLE after the %g s grace",
+                trio.current_time() - began,
+                len(connections),
+                streams,
+                streams - lingering,
+                lingering,
+                self.limits.shutdown_grace if grace is None else grace,
+            )
 
     # -- connections -----------------------------------------------------------------------------
 
     async def _handle_tcp(self, tcp: trio.SocketStream) -> None:
-        """One connection, fenced: nothing that happens on it may take the server down."""
+        """One connection, fenced: nothing that happens on it may take the server down.
+
+        The peer's address is read first: once the peer is gone ``getpeername`` fails, and a line
+        about its departure would have nobody to name.
+        """
+        address = _format_address(tcp)
         try:
-            await self._handle_connection(tcp)
+            await self._handle_connection(tcp, address)
         except Exception:
-            log.exception("connection from %s failed", _format_address(tcp))
+            log.exception("connection from %s failed", address)
             await trio.aclose_forcefully(tcp)
 
-    async def _handle_connection(self, tcp: trio.SocketStream) -> None:
+    async def _handle_connection(self, tcp: trio.SocketStream, address: str) -> None:
         try:
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        address = _format_address(tcp)
         stream: trio.abc.Stream = tcp
         peer = PeerIdentity(address)
         alpn: str | None = None
@@ -505,7 +612,7 @@ class StreamServer:
             + b"\r\n\r\n"
             + body
         )
-        log.warning("%s: HTTP/1.1 request on the HTTP/2 port: %s", peer.address, request_line)
+        log.warning("%s: HTTP/1.1 request on the HTTP/2 port: %s", peer.address, peer_text(request_line))
         with trio.move_on_after(self.limits.handshake_timeout):
             try:
                 await stream.send_all(response)
@@ -559,10 +666,12 @@ class StreamServer:
                 while True:
                     try:
                         data = bytes(await stream.receive_some(65536))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        data = b""
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                        cause = exc.__cause__ or exc
+                        transport.fail(TransportErrorClosed(f"connection lost: {cause}"))
+                        break
                     if not data:
-                        transport.fail(TransportErrorClosed(f"{peer.address} closed the connection"))
+                        transport.fail(TransportErrorClosed("the peer closed the connection"))
                         break
                     if not await self._feed(transport, nursery, peer, data):
                         break
@@ -573,23 +682,52 @@ class StreamServer:
             pass
         finally:
             self._transports.discard(transport)
+            self._resets.pop(transport, None)
 
     async def _feed(
         self, transport: H2Transport, nursery: trio.Nursery, peer: PeerIdentity, data: bytes
     ) -> bool:
-        """Feed bytes to h2 and act on its events; ``False`` when the connection must close."""
+        """Feed bytes to h2 and act on its events; ``False`` when the connection must close.
+
+        A protocol violation (a stream id reused or lower than one already seen, a frame h2 rejects)
+        and a rapid-reset flood (CVE-2023-44487: streams opened and reset faster than anyone needs)
+        each end this connection with a GOAWAY that says why and one WARNING line; other
+        connections and their streams do not notice.
+        """
         try:
-            events = transport.conn.receive_data(data)
+            events = transport.feed(data)
         except h2.exceptions.ProtocolError as exc:
             detail = _protocol_error_text(exc, data)
-            log.warning("%s: HTTP/2 protocol error: %s", peer.address, detail)
-            transport.fail(TransportErrorClosed(detail))
-            await transport.goaway(ErrorCodes.PROTOCOL_ERROR, detail)
+            log.warning("%s: HTTP/2 protocol error: %s; answered with GOAWAY", peer.address, detail)
+            transport.fail(TransportErrorClosed(f"HTTP/2 protocol error: {detail}"))
+            await transport.refuse(exc, detail)
             return False
+        resets = self._resets.setdefault(transport, _ResetBudget(self.limits.max_peer_resets))
         for event in events:
             if isinstance(event, h2.events.RequestReceived):
+                if transport.peer_went_away or transport.error is not None:
+                    continue  # the peer said GOAWAY in the same breath: there is no one to answer
+                h2_stream = transport.conn.streams.get(int(event.stream_id))
+                if h2_stream is None or h2_stream.closed:
+                    # Reset by the peer in the same read that opened it (h2 has already forgotten
+                    # it, and answering would make h2 open it anew): counted below, not answered.
+                    log.debug("%s: stream %d reset before it was answered", peer.address, event.stream_id)
+                    continue
                 await self._on_request(transport, nursery, peer, event)
-            elif not transport.handle_common(event):
+                continue
+            if isinstance(event, h2.events.StreamReset) and event.remote_reset:
+                if not resets.spend(trio.current_time(), self.limits.peer_reset_window):
+                    detail = (
+                        f"{resets.limit + 1} streams reset by the peer within "
+                        f"{self.limits.peer_reset_window:g} s (at most {resets.limit} allowed): "
+                        "a rapid-reset flood"
+                    )
+                    log.warning("%s: %s; answered with GOAWAY (ENHANCE_YOUR_CALM)", peer.address, detail)
+                    transport.fail(TransportErrorClosed(detail))
+                    transport.conn.data_to_send()
+                    await transport.goaway(ErrorCodes.ENHANCE_YOUR_CALM, detail)
+                    return False
+            if not transport.handle_common(event):
                 log.debug("%s: ignored HTTP/2 event %r", peer.address, event)
         try:
             await transport.flush()
@@ -648,12 +786,15 @@ class StreamServer:
             )
             return
         if headers.get(":method") != "POST":
-            respond(405, f"method {headers.get(':method')} not allowed: gRPC and Connect use POST")
+            respond(
+                405,
+                f"method {peer_text(headers.get(':method', ''))} not allowed: gRPC and Connect use POST",
+            )
             return
         if headers.get(":path") != schema.CONNECT_PATH:
             trailers_only(
                 Code.UNIMPLEMENTED,
-                f"unknown method {headers.get(':path')}; served: {schema.CONNECT_PATH}",
+                f"unknown method {peer_text(headers.get(':path', ''))}; served: {schema.CONNECT_PATH}",
                 ctype,
             )
             return
@@ -673,11 +814,11 @@ class StreamServer:
                 Code.RESOURCE_EXHAUSTED, f"server at its limit of {self.limits.max_streams} streams", ctype
             )
             return
+        response_ctype = b"application/grpc+proto" if ctype == b"application/grpc+proto" else ctype
+        conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", response_ctype)])
         st = _H2ServerStream(self, transport, stream_id, protocol, peer, headers)
         if event.stream_ended is not None:
             st.on_remote_end()
-        response_ctype = b"application/grpc+proto" if ctype == b"application/grpc+proto" else ctype
-        conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", response_ctype)])
         nursery.start_soon(self._run_h2_stream, st)
 
     async def _run_h2_stream(self, st: _H2ServerStream) -> None:
@@ -692,28 +833,71 @@ class StreamServer:
         finish: Callable[[Code, str], Awaitable[None]],
         scope: trio.CancelScope | None = None,
     ) -> None:
+        """Run the handler on one stream, end the stream with a status, and log one closing line.
+
+        Whatever the handler raises (an ExceptionGroup from its own nursery, with the Cancelled of
+        its sibling tasks in it, included) ends this stream with a status and never reaches the
+        connection or the server. Cancellation is level-triggered in trio, so setting aside the
+        Cancelled leaves of such a group loses nothing: a scope that is still cancelled cancels
+        again at the next checkpoint.
+        """
         scope = scope or trio.CancelScope()
         self._streams.add(st)
         self._scopes.add(scope)
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         code, message = Code.OK, ""
+        failed: BaseException | None = None
         try:
             with scope:
                 try:
                     await self.handler(st)
-                except Exception as exc:
-                    # Whatever a handler raises (an ExceptionGroup from its own nursery included)
-                    # ends this stream with a status, and never reaches the connection or the server.
-                    code, message = _status_of(exc, st.peer.address)
-            if scope.cancelled_caught and self._shutting_down:
+                except BaseException as exc:
+                    if not _is_failure(exc):
+                        raise
+                    failed = exc
+                    code, message = _status_of(exc)
+            if scope.cancel_called and self._shutting_down and code is Code.OK:
                 code, message = Code.UNAVAILABLE, "server shutting down"
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 await finish(code, message)
+            self._log_end(st, code, message, failed)
         finally:
             self._streams.discard(st)
             self._scopes.discard(scope)
             if not self._streams:
                 self._idle.set()
+
+    def _log_end(self, st: ServerStream, code: Code, message: str, failed: BaseException | None) -> None:
+        """One line per stream, naming the node and the peer's address.
+
+        An ordinary end (the agent closed or lost its connection, reset its stream, stopped
+        answering PINGs, or the server shut down) is INFO and says why, with no traceback; bad
+        input refused by the transport is a WARNING; a bug in the handler is an ERROR with its
+        traceback. During a shutdown each line is DEBUG and :meth:`shutdown` sums them up.
+        """
+        who = st.describe()
+        if failed is not None and not all(
+            isinstance(leaf, TransportError | RpcError | trio.Cancelled) for leaf in _leaves(failed)
+        ):
+            log.error("%s: %s stream: handler failed (%s)", who, st.protocol, message, exc_info=failed)
+            return
+        broken = st.failure()
+        if broken is not None:
+            reason = str(broken)
+        elif code is Code.OK:
+            reason = "OK"
+        else:
+            reason = f"{code.name}: {message}"
+        refused = failed is not None and any(isinstance(leaf, PeerRefused) for leaf in _leaves(failed))
+        level = logging.WARNING if refused else logging.DEBUG if self._shutting_down else logging.INFO
+        log.log(level, "%s: %s stream ended: %s", who, st.protocol, reason)
+
+
+async def _close_connection(transport: H2Transport) -> None:
+    """The last word on a connection at shutdown: a final GOAWAY naming the last stream, then close."""
+    transport.fail(TransportErrorClosed("the server shut down"))
+    await transport.goaway(ErrorCodes.NO_ERROR, "server shutting down")
+    await transport.abort()
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -722,19 +906,46 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def _status_of(exc: Exception, peer: str) -> tuple[Code, str]:
-    """The status a handler's exception ends its stream with: its own RpcError if it raised one,
-    UNAVAILABLE when the stream or connection failed under it, INTERNAL (logged) for a bug."""
+def _is_failure(exc: BaseException) -> bool:
+    """Whether a handler's exception is for the stream's status (``False``: let it propagate).
+
+    Propagated: a lone Cancelled or a group of them (the scope above decides), and anything that is
+    not an ``Exception`` (KeyboardInterrupt, SystemExit) wherever it sits in a group.
+    """
     leaves = _leaves(exc)
+    if any(not isinstance(leaf, Exception | trio.Cancelled) for leaf in leaves):
+        return False
+    return any(isinstance(leaf, Exception) for leaf in leaves)
+
+
+def _status_of(exc: BaseException) -> tuple[Code, str]:
+    """The status a handler's exception ends its stream with: its own RpcError if it raised one,
+    UNAVAILABLE when the stream or connection failed under it, INTERNAL for a bug."""
+    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, trio.Cancelled)]
     for leaf in leaves:
         if isinstance(leaf, RpcError):
             return leaf.code, leaf.message
-    if all(isinstance(leaf, TransportError | trio.Cancelled) for leaf in leaves):
-        log.info("stream from %s ended: %s", peer, "; ".join(map(str, leaves)))
-        return Code.UNAVAILABLE, "; ".join(str(leaf) for leaf in leaves if isinstance(leaf, TransportError))
-    log.error("handler failed on the stream from %s", peer, exc_info=exc)
-    first = next(leaf for leaf in leaves if not isinstance(leaf, TransportError | trio.Cancelled))
+    if all(isinstance(leaf, TransportError) for leaf in leaves):
+        return Code.UNAVAILABLE, "; ".join(str(leaf) for leaf in leaves)
+    first = next(leaf for leaf in leaves if not isinstance(leaf, TransportError))
     return Code.INTERNAL, f"internal error: {type(first).__name__}: {first}"
+
+
+class _ResetBudget:
+    """The streams a peer reset within a sliding window: an agent resets at most its one stream per
+    connection, while a rapid-reset flood opens and cancels thousands a second to make the server
+    start and stop work it never gets to answer."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._times: collections.deque[float] = collections.deque()
+
+    def spend(self, now: float, window: float) -> bool:
+        """Count one reset at ``now``; ``False`` once more than ``limit`` fell within ``window``."""
+        self._times.append(now)
+        while self._times and self._times[0] < now - window:
+            self._times.popleft()
+        return len(self._times) <= self.limit
 
 
 class TransportErrorClosed(TransportError):
