@@ -203,8 +203,13 @@ async def _serve(plane: ControlPlane) -> None:
                 nursery.cancel_scope.cancel()
                 break
     if plane.config.runs_control_plane:
-        await plane.save()
-        log.info("control plane stopped; state in %s", plane.state_file)
+        # Nothing is cancelled out here (plane.run has returned), so the bound is the only guard.
+        with trio.move_on_after(10) as waited:
+            await plane.save_now()
+        if waited.cancelled_caught:
+            log.warning("control plane stopped; saving %s took over 10 s and was left", plane.state_file)
+        else:
+            log.info("control plane stopped; state saved in %s", plane.state_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
