@@ -453,6 +453,11 @@ class Supervisor:
             spawned = await trio.to_thread.run_sync(self._spawn, shard)
         except LaunchFailed as exc:
             error = str(exc)
+        except Exception as exc:
+            # A daemon that runs for months: one start that fails in a way nobody foresaw is a
+            # FAILED shard with the reason, not the end of the supervisor and every engine's watch.
+            log.exception("shard %s: start failed unexpectedly", shard.shard_id)
+            error = f"cannot start: unexpected {type(exc).__name__}: {exc}"
         finally:
             del self._pending[shard.shard_id]
             self.shards[shard.shard_id] = shard
