@@ -277,7 +277,7 @@ async def _stop_two_ways(sup: Supervisor, profile: schema.EngineProfile) -> None
         spec = schema.StartShard(
             shard_id=f"tiny-{how}", replica_id="tiny-r0", profile=profile, http_port=port
         )
-        sup.start(spec)
+        await sup.start(spec)
         await _wait_state(sup, spec.shard_id, schema.ShardState.READY)
         started, lines = trio.Event(), list[str]()
         async with trio.open_nursery() as streams:
