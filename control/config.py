@@ -299,6 +299,11 @@ class Liveness:
         return self.lost_after if self.startup_grace is None else self.startup_grace
 
 
+#: Engines with no flag to rename the model they serve (trtllm-serve 1.2), so the catalog name
+#: cannot be their default served name.
+SERVES_MODEL_AS_IS = frozenset({"trtllm"})
+
+
 @attrs.frozen
 class GpuRequirements:
     """Per shard (per node, for a multi-node replica). ``count = 0``: a CPU-only engine."""
@@ -336,6 +341,24 @@ class ProfileConfig:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = attrs.field(factory=dict)
     params_billions: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.engine in SERVES_MODEL_AS_IS and self.served_model_name:
+            names = self.model_names()
+            if self.served_model_name not in names:
+                raise FieldProblem(
+                    "served_model_name",
+                    f"served_model_name {self.served_model_name!r} cannot be honoured by {self.engine}: "
+                    f"it has no flag to rename a model and serves this one as "
+                    f"{' or '.join(repr(n) for n in names)}; leave served_model_name out or use that",
+                )
+
+    def model_names(self) -> tuple[str, ...]:
+        """The names an engine that cannot rename its model serves it under: the argument itself,
+        or a local checkpoint directory's base name (trtllm-serve uses ``Path(model).name`` for a
+        directory; which one applies depends on the node's disk, so both are accepted)."""
+        base = self.model.rstrip("/").rsplit("/", 1)[-1]
+        return (self.model,) if base == self.model else (self.model, base)
 
     def to_proto(self) -> schema.EngineProfile:
         return schema.EngineProfile(
@@ -379,7 +402,15 @@ class ModelConfig:
 
     @property
     def served_name(self) -> str:
-        return self.profile.served_model_name or self.name
+        """The one name clients use, sent in every StartShard: ``served_model_name``, else the
+        catalog name; for an engine that cannot rename its model (trtllm-serve), the model as it
+        serves it (a local path's base name, a hub id as written)."""
+        if self.profile.served_model_name:
+            return self.profile.served_model_name
+        if self.profile.engine in SERVES_MODEL_AS_IS:
+            names = self.profile.model_names()
+            return names[-1] if self.profile.model.startswith(("/", ".")) else names[0]
+        return self.name
 
 
 @attrs.frozen

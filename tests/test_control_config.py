@@ -186,3 +186,23 @@ def test_listen_problem_is_pure_and_names_what_to_write() -> None:
     assert listen_problem("0.0.0.0:8080", example="0.0.0.0:8080") == ""
     assert listen_problem("", example="0.0.0.0:8080", may_be_empty=True) == ""
     assert "use 1-65535" in listen_problem("127.0.0.1:0", example="0.0.0.0:7070", fixed_port="agents dial it")
+
+
+def test_the_served_name_defaults_to_the_catalog_name_and_trtllm_to_its_model() -> None:
+    # The name the control plane sends in StartShard and routes under: one name, decided here.
+    def served(profile: str) -> str:
+        config = parse(f'[[models]]\nname = "chat"\n[models.profile]\n{profile}\n', "llmgw.toml")
+        return config.models[0].served_name
+
+    assert served('engine = "vllm"\nmodel = "meta-llama/Llama-3.1-8B"') == "chat"
+    assert served('engine = "vllm"\nmodel = "x"\nserved_model_name = "y"') == "y"
+    # trtllm-serve cannot rename a model: it serves a hub id as written, a local directory by its name.
+    assert served('engine = "trtllm"\nmodel = "nvidia/Llama-3.1-8B"') == "nvidia/Llama-3.1-8B"
+    assert served('engine = "trtllm"\nmodel = "/models/llama-8b"') == "llama-8b"
+    assert (
+        served('engine = "trtllm"\nmodel = "/models/llama-8b"\nserved_model_name = "llama-8b"') == "llama-8b"
+    )
+    says = problem(
+        '[[models]]\nname = "chat"\n[models.profile]\nengine = "trtllm"\nmodel = "/m/x"\nserved_model_name = "chat"\n'
+    )
+    assert "served_model_name 'chat' cannot be honoured by trtllm" in says and "line 6" in says
