@@ -17,7 +17,6 @@ with CPU-only inventories, so the streamed tokens are the engine's own (and nons
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -31,6 +30,8 @@ from typing import NamedTuple
 
 import httpx
 import openai
+
+from agent.supervise import procfs
 
 MODEL = "llama-3.1-8b-instruct"
 
@@ -57,7 +58,6 @@ min_memory_gib = 40
 [models.profile]
 engine = "vllm"
 model = "meta-llama/Llama-3.1-8B-Instruct"
-served_model_name = "{model}"
 tensor_parallel_size = 2
 dtype = "bfloat16"
 max_model_len = 8192
@@ -119,7 +119,6 @@ count = 0
 [models.profile]
 engine = "llamacpp"
 model = "{gguf}"
-served_model_name = "{model}"
 max_model_len = 512
 extra_args = ["--threads", "1"]
 """
@@ -303,7 +302,10 @@ class Demo:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        engines = [int(json.loads(r.read_text())["pid"]) for r in self.workdir.glob("*/shards/*.json")]
+        # Engines outlive their agents by design; each carries its agent's marker (agent.supervise.procfs),
+        # so they are found in /proc even where a record was never finished.
+        owners = {os.path.abspath(d.parent) for d in self.workdir.glob("*/shards")}
+        engines = [e.pid for owner in owners for e in procfs.find_engines(owner)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in engines:
                 try:

@@ -80,13 +80,11 @@ class ControlProcess:
         resp = httpx.request(method, f"http://127.0.0.1:{self.api_port}{path}", timeout=15)
         return resp.json()
 
+    def ctl_argv(self) -> list[str]:
+        return [sys.executable, "-m", "control", "ctl", "--api", f"http://127.0.0.1:{self.api_port}"]
+
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "control", "ctl", "--api", f"http://127.0.0.1:{self.api_port}", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return subprocess.run([*self.ctl_argv(), *args], capture_output=True, text=True, timeout=90)
 
     def kill9(self) -> None:
         assert self.proc is not None
@@ -180,8 +178,9 @@ class Agent:
     def stop_all(self) -> None:
         """End the agent, then the engines it started (they outlive it by design)."""
         terminate(self.proc)
-        for pid in self.engine_pids():
-            if pid_alive(pid):
+        # Records and markers both: an engine whose record a test damaged is still this agent's.
+        for pid in {*self.engine_pids(), *self.marked_engines()}:
+            if pid > 0 and pid_alive(pid):
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -226,7 +225,9 @@ CHAT = "chat-{tag}"
 BIG = "big-{tag}"
 
 
-def catalog(tag: str, state_dir: Path, extra: str = "", chat_extra: str = "") -> str:
+def catalog(
+    tag: str, state_dir: Path, extra: str = "", chat_extra: str = "", chat_load_seconds: float = 0.3
+) -> str:
     return f"""
 state_dir = "{state_dir}"
 reconcile_interval = 0.3
@@ -273,7 +274,7 @@ model = "meta-llama/Llama-3.1-8B-Instruct"
 served_model_name = "{CHAT.format(tag=tag)}"
 tensor_parallel_size = 2
 dtype = "bfloat16"
-env = {{ LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
+env = {{ LLMGW_SIM_LOAD_SECONDS = "{chat_load_seconds}", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "1" }}
 """
 
 
@@ -285,9 +286,12 @@ class Fleet:
         layout: list[tuple[str, str, str, str]],
         extra: str = "",
         chat_extra: str = "",
+        chat_load_seconds: float = 0.3,
     ) -> None:
         self.tag = tag
-        self.cp = ControlProcess(tmp / "cp", catalog(tag, tmp / "cp" / "state", extra, chat_extra))
+        self.cp = ControlProcess(
+            tmp / "cp", catalog(tag, tmp / "cp" / "state", extra, chat_extra, chat_load_seconds)
+        )
         self.layout = layout
         self.tmp = tmp
         self.agents: dict[str, Agent] = {}
@@ -342,6 +346,10 @@ class Fleet:
 
     def replicas(self, model: str) -> list[dict[str, Any]]:
         return [r for r in self.cp.api("/api/replicas") if r["model"] == model]
+
+    def placed_shards(self, model: str) -> list[dict[str, Any]]:
+        """The shards of the model's placements (not the old copies still draining)."""
+        return [s for r in self.replicas(model) for s in r["shards"] if s["placed"]]
 
     def ready_replicas(self, model: str, count: int) -> list[dict[str, Any]] | None:
         reps = [r for r in self.replicas(model) if r["state"] == "ready"]
