@@ -8,7 +8,11 @@ status: 0 done, 1 the operation failed (the API said no, or could not be reached
     replicas         every placed replica, its shards, where they run and in what state
     why MODEL        why MODEL's replicas are placed where they are, or why they cannot run
     logs SHARD       the tail of a shard's engine log, fetched from its agent over the stream
-    drain NODE       cordon NODE and move its replicas elsewhere (replacements first)
+    cordon NODE      NODE takes no new replicas; what runs there stays
+    drain NODE       cordon NODE and move its replicas elsewhere (replacements first); refused when
+                     a model would be left without a ready replica, unless --force; --wait shows
+                     progress until NODE is empty (exit 1 if --timeout S passes first)
+    uncordon NODE    undo a cordon or a drain (replicas that already moved stay where they are)
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def render(command: str, doc: Any) -> str:
         rows = [
             [
                 n["node_id"],
-                n["state"] + (" (draining)" if n["draining"] else ""),
+                n["state"] + (" (draining)" if n["draining"] else " (cordoned)" if n.get("cordoned") else ""),
                 f"{n['since_s']:g}s",
                 f"{n['gpus_free']}/{n['gpus']}",
                 n["gpu_model"] or "-",
@@ -104,8 +108,57 @@ def render(command: str, doc: Any) -> str:
     if command == "logs":
         return "\n".join(doc["lines"])
     if command == "drain":
-        return f"{doc['node_id']}: draining; its replicas move elsewhere, then its shards drain and stop"
+        forced = " (forced)" if doc.get("forced") else ""
+        head = (
+            f"{doc['node_id']}: draining{forced}; its replicas move elsewhere, then its shards drain and stop"
+        )
+        return "\n".join([head, *(f"  {line}" for line in doc.get("moves", []))])
+    if command == "cordon":
+        node = doc["node_id"]
+        return f"{node}: {doc['cordon']}; takes no new replicas, keeps what runs (undo: ctl uncordon {node})"
+    if command == "uncordon":
+        was = f"was {doc['undone']}" if doc["undone"] else "was not cordoned"
+        return f"{doc['node_id']}: uncordoned ({was}); takes new replicas again"
     return json.dumps(doc, indent=2)
+
+
+def drain_progress_line(doc: Any) -> str:
+    """One line of ``ctl drain --wait``: what still runs on the node, and each replacement's state."""
+    parts = []
+    for s in doc["shards"]:
+        where = f", replacement on {s['replacement']} {s['replacement_state']}" if s["replacement"] else ""
+        parts.append(f"{s['shard_id']} {s['state']}{where}")
+    return f"{doc['node_id']}: {len(parts)} shard(s) left: {'; '.join(parts)}"
+
+
+def _drain_wait(api: str, node: str, timeout: float, poll_every: float = 0.5) -> int:
+    """Show progress lines until nothing runs on ``node`` (0) or ``timeout`` passes (1)."""
+    import time
+
+    url = f"{api.rstrip('/')}/api/drain/{node}"
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        try:
+            resp = httpx.get(url, timeout=30)
+            doc = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            print(f"ctl: GET {url}: {exc}", file=sys.stderr)
+            return 1
+        if resp.status_code != 200:
+            print(f"ctl: GET {url}: HTTP {resp.status_code}: {doc.get('error', '')}", file=sys.stderr)
+            return 1
+        if doc["empty"]:
+            print(f"{node}: drained; nothing runs there any more", flush=True)
+            return 0
+        line = drain_progress_line(doc)
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if time.monotonic() >= deadline:
+            print(f"ctl: drain of {node} not done after {timeout:g} s; {line}", file=sys.stderr)
+            return 1
+        time.sleep(min(poll_every, max(deadline - time.monotonic(), 0.0)))
 
 
 def _add_global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -136,7 +189,17 @@ def ctl(argv: Sequence[str]) -> int:
     logs = sub.add_parser("logs")
     logs.add_argument("shard")
     logs.add_argument("-n", "--lines", type=int, default=100)
-    sub.add_parser("drain").add_argument("node")
+    sub.add_parser("cordon").add_argument("node")
+    sub.add_parser("uncordon").add_argument("node")
+    drain = sub.add_parser("drain")
+    drain.add_argument("node")
+    drain.add_argument(
+        "--force", action="store_true", help="drain even if a model is left without a ready replica"
+    )
+    drain.add_argument("--wait", action="store_true", help="show progress until the node is empty")
+    drain.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
+    )
     for subparser in sub.choices.values():
         _add_global_options(subparser, defaults=False)
     args = parser.parse_args(argv)
@@ -148,7 +211,9 @@ def ctl(argv: Sequence[str]) -> int:
     elif args.command == "logs":
         path += f"/{args.shard}?lines={args.lines}"
     elif args.command == "drain":
-        method, path = "POST", f"/api/drain/{args.node}"
+        method, path = "POST", f"/api/drain/{args.node}" + ("?force=1" if args.force else "")
+    elif args.command in ("cordon", "uncordon"):
+        method, path = "POST", f"/api/{args.command}/{args.node}"
     url = args.api.rstrip("/") + path
     try:
         resp = httpx.request(method, url, timeout=30)
@@ -171,7 +236,9 @@ def ctl(argv: Sequence[str]) -> int:
         reason = " ".join(str(error or resp.text[:200]).split())
         print(f"ctl: {method} {url}: HTTP {resp.status_code}: {reason}", file=sys.stderr)
         return 1
-    print(json.dumps(doc, indent=2) if args.json else render(args.command, doc))
+    print(json.dumps(doc, indent=2) if args.json else render(args.command, doc), flush=True)
+    if args.command == "drain" and args.wait:
+        return _drain_wait(args.api, args.node, args.timeout)
     return 0
 
 

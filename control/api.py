@@ -8,7 +8,13 @@ agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times ar
     GET  /api/replicas              every placed replica and its shards' observed states
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
     GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
-    POST /api/drain/NODE            cordon NODE and move its replicas (replacements first)
+    POST /api/cordon/NODE           NODE takes no new replicas; what runs there stays
+    POST /api/drain/NODE[?force=1]  cordon NODE and move its replicas (replacements first); 409 with
+                                    the reason when a model would be left without a ready replica
+    GET  /api/drain/NODE            what still runs on NODE, and where each replacement stands
+    POST /api/uncordon/NODE         undo a cordon or a drain (replicas already moved stay moved)
+
+Cordons and drains are written to the state file before the answer, so they survive a restart.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, unquote
 
 import trio
@@ -24,9 +30,8 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 import schema
-
-if TYPE_CHECKING:
-    from control.plane import ControlPlane
+from control.fleet import LIVE_SHARD_STATES
+from control.plane import ControlPlane, DrainRefused, model_name_of
 
 log = logging.getLogger("llmgw.control.api")
 
@@ -59,6 +64,7 @@ def nodes_doc(plane: ControlPlane) -> list[dict[str, Any]]:
                 "since_s": round(now - node.since, 1),
                 "connected": node.connected,
                 "draining": node.draining,
+                "cordoned": node.cordoned,
                 "heartbeat_age_s": round(now - node.last_heartbeat, 1),
                 "mgmt_addr": reg.mgmt_addr,
                 "gpus": len(reg.gpus),
@@ -82,48 +88,105 @@ def nodes_doc(plane: ControlPlane) -> list[dict[str, Any]]:
     return out
 
 
+#: Where a shard runs: (GPUs, port, node rank, nnodes, master address, master port).
+_Shape = tuple[tuple[int, ...], int, int, int, str, int]
+
+
+def _shard_doc(
+    plane: ControlPlane,
+    shard_id: str,
+    node_id: str,
+    status: schema.ShardStatus | None,
+    now: float,
+    shape: _Shape,
+    placed: bool,
+) -> dict[str, Any]:
+    gpus, port, node_rank, nnodes, master_addr, master_port = shape
+    node = plane.fleet.nodes.get(node_id)
+    retry = plane.reconciler.retry_at(node_id, shard_id) if placed else None
+    state = schema.ShardState(status.state).name.lower() if status else "pending"
+    if not placed and state == "ready":
+        state = "draining"  # serving until its replacement is ready, then drained or stopped
+    return {
+        "shard_id": shard_id,
+        "node_id": node_id,
+        "node_state": node.state.value if node else "unknown",
+        "state": state,
+        #: False for an engine no placement wants any more that still runs (the old copy of a
+        #: replica moving off a drained or returning node): listed until it stops.
+        "placed": placed,
+        "gpus": list(gpus),
+        "port": port,
+        "url": f"http://{node.register.mgmt_addr}:{port}" if node else "",
+        "node_rank": node_rank,
+        "nnodes": nnodes,
+        "master": f"{master_addr}:{master_port}" if nnodes > 1 else "",
+        "error": status.error if status else "",
+        "exit_code": status.exit_code if status else None,
+        # The engine process and, for a failed one, the last lines it wrote: why it died
+        # is in the engine's own words, and a person should not need a shell on the node.
+        "pid": status.pid if status else 0,
+        "output_tail": list(status.output_tail) if status else [],
+        "failures": plane.reconciler.failures(node_id, shard_id) if placed else 0,
+        "retry_in_s": round(max(retry - now, 0.0), 1) if retry else None,
+    }
+
+
 def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
+    """Every placed replica with its shards, and the engines still running for a replica that no
+    placement accounts for (old copies being drained or waiting for their replacement) after them."""
     now = plane.clock()
-    out = []
-    for replica in plane.placements:
-        shards = []
-        for shard in replica.shards:
-            node = plane.fleet.nodes.get(shard.node_id)
-            status = node.shards.get(shard.shard_id) if node else None
-            retry = plane.reconciler.retry_at(shard.node_id, shard.shard_id)
-            shards.append(
-                {
-                    "shard_id": shard.shard_id,
-                    "node_id": shard.node_id,
-                    "node_state": node.state.value if node else "unknown",
-                    "state": schema.ShardState(status.state).name.lower() if status else "pending",
-                    "gpus": list(shard.gpu_indices),
-                    "port": shard.port,
-                    "url": f"http://{node.register.mgmt_addr}:{shard.port}" if node else "",
-                    "node_rank": shard.node_rank,
-                    "nnodes": shard.nnodes,
-                    "master": f"{shard.master_addr}:{shard.master_port}" if shard.nnodes > 1 else "",
-                    "error": status.error if status else "",
-                    "exit_code": status.exit_code if status else None,
-                    # The engine process and, for a failed one, the last lines it wrote: why it died
-                    # is in the engine's own words, and a person should not need a shell on the node.
-                    "pid": status.pid if status else 0,
-                    "output_tail": list(status.output_tail) if status else [],
-                    "failures": plane.reconciler.failures(shard.node_id, shard.shard_id),
-                    "retry_in_s": round(max(retry - now, 0.0), 1) if retry else None,
-                }
+    placed_keys = {(s.node_id, s.shard_id) for r in plane.placements for s in r.shards}
+    leaving: dict[str, list[dict[str, Any]]] = {}
+    for node in sorted(plane.fleet.nodes.values(), key=lambda n: n.node_id):
+        for status in sorted(node.shards.values(), key=lambda s: s.shard_id):
+            spec = status.spec
+            if (node.node_id, status.shard_id) in placed_keys or status.state not in LIVE_SHARD_STATES:
+                continue
+            shape: _Shape = ((), 0, 0, 1, "", 0)
+            if spec is not None:
+                shape = (
+                    tuple(spec.gpu_indices),
+                    spec.http_port,
+                    spec.node_rank,
+                    max(spec.nnodes, 1),
+                    spec.master_addr,
+                    spec.master_port,
+                )
+            leaving.setdefault(status.replica_id, []).append(
+                _shard_doc(plane, status.shard_id, node.node_id, status, now, shape, placed=False)
             )
-        ready = all(s["state"] == "ready" for s in shards)
+    out = []
+    replica_ids = [r.replica_id for r in plane.placements]
+    by_id = {r.replica_id: r for r in plane.placements}
+    for rid in [*replica_ids, *sorted(set(leaving) - set(replica_ids))]:
+        replica = by_id.get(rid)
+        shards = []
+        for shard in replica.shards if replica else ():
+            holder = plane.fleet.nodes.get(shard.node_id)
+            observed = holder.shards.get(shard.shard_id) if holder else None
+            shape = (
+                shard.gpu_indices,
+                shard.port,
+                shard.node_rank,
+                shard.nnodes,
+                shard.master_addr,
+                shard.master_port,
+            )
+            shards.append(_shard_doc(plane, shard.shard_id, shard.node_id, observed, now, shape, placed=True))
+        model = replica.model if replica else model_name_of(rid)
+        if replica is None:
+            state = "draining"
+        else:
+            state = "ready" if all(s["state"] == "ready" for s in shards) else "not ready"
         out.append(
             {
-                "model": replica.model,
-                "replica_id": replica.replica_id,
-                "served_model_name": plane.models[replica.model].served_name
-                if replica.model in plane.models
-                else "",
-                "fabric": replica.fabric,
-                "state": "ready" if ready else "not ready",
-                "shards": shards,
+                "model": model,
+                "replica_id": rid,
+                "served_model_name": plane.models[model].served_name if model in plane.models else "",
+                "fabric": replica.fabric if replica else "",
+                "state": state,
+                "shards": shards + leaving.get(rid, []),
             }
         )
     return out
@@ -195,11 +258,31 @@ def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[
                 lines = int(query.get("lines", ["100"])[0])
                 body = await logs_doc(plane, parts[2], lines)
             elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
+                force = query.get("force", ["0"])[0] in ("1", "true", "yes")
                 try:
-                    plane.drain_node(parts[2])
+                    moves = await plane.drain_node(parts[2], force=force)
                 except KeyError as exc:
                     raise ApiError(404, str(exc.args[0])) from exc
-                body = {"node_id": parts[2], "draining": True}
+                except DrainRefused as exc:
+                    raise ApiError(409, str(exc)) from exc
+                body = {"node_id": parts[2], "draining": True, "forced": force, "moves": moves}
+            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
+                try:
+                    body = plane.drain_progress(parts[2])
+                except KeyError as exc:
+                    raise ApiError(404, str(exc.args[0])) from exc
+            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "cordon"]:
+                try:
+                    await plane.cordon_node(parts[2])
+                except KeyError as exc:
+                    raise ApiError(404, str(exc.args[0])) from exc
+                body = {"node_id": parts[2], "cordon": plane.fleet.cordons[parts[2]].value}
+            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "uncordon"]:
+                try:
+                    undone = await plane.uncordon_node(parts[2])
+                except KeyError as exc:
+                    raise ApiError(404, str(exc.args[0])) from exc
+                body = {"node_id": parts[2], "undone": undone.value if undone else ""}
             else:
                 raise ApiError(404, f"no route {method} {path}")
         except ApiError as exc:

@@ -29,6 +29,26 @@ class NodeState(enum.StrEnum):
     LOST = "lost"
 
 
+#: Shard states in which the agent runs an engine process for the shard.
+LIVE_SHARD_STATES = frozenset(
+    {
+        schema.ShardState.STARTING,
+        schema.ShardState.READY,
+        schema.ShardState.UNHEALTHY,
+        schema.ShardState.DRAINING,
+    }
+)
+
+
+class Cordon(enum.StrEnum):
+    """What an operator asked of a node; independent of its liveness, and only undone by uncordon."""
+
+    #: Takes nothing new; keeps what runs.
+    CORDONED = "cordoned"
+    #: Cordoned, and its replicas move elsewhere (replacements first).
+    DRAINING = "draining"
+
+
 @attrs.frozen
 class Transition:
     node_id: str
@@ -51,6 +71,9 @@ class Node:
     #: What the agent last said about each shard on this node.
     shards: dict[str, schema.ShardStatus] = attrs.field(factory=dict)
     history: list[Transition] = attrs.field(factory=list)
+    #: Takes no new placement (set by cordon and by drain).
+    cordoned: bool = False
+    #: Its replicas move elsewhere (set by drain).
     draining: bool = False
     #: When an unreachable node becomes lost (the control plane's monotonic clock).
     lost_deadline: float = 0.0
@@ -64,6 +87,37 @@ class Fleet:
     #: Bumped on every change placement or persistence cares about (a Register, a state change, a
     #: drain), so that a pass with nothing new can skip rebuilding views of thousands of nodes.
     generation: int = 0
+    #: Cordons and drains by node id. Kept apart from ``nodes`` so that they outlive the node
+    #: record: a node that is lost (and so not saved) or not yet re-registered after a control plane
+    #: restart is still cordoned when it comes back.
+    cordons: dict[str, Cordon] = attrs.field(factory=dict)
+
+    def cordon(self, node_id: str, mark: Cordon) -> None:
+        """Cordon or drain a known node (``KeyError`` naming it when unknown). A drain is never
+        weakened to a cordon by a later ``cordon``: only ``uncordon`` undoes it."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise KeyError(f"no node {node_id!r}; known: {', '.join(sorted(self.nodes)) or 'none'}")
+        if self.cordons.get(node_id) is Cordon.DRAINING:
+            mark = Cordon.DRAINING
+        self.cordons[node_id] = mark
+        self._apply_cordon(node)
+
+    def uncordon(self, node_id: str) -> Cordon | None:
+        """Undo a cordon or a drain; returns what was undone (``None``: nothing was)."""
+        if node_id not in self.nodes and node_id not in self.cordons:
+            raise KeyError(f"no node {node_id!r}; known: {', '.join(sorted(self.nodes)) or 'none'}")
+        undone = self.cordons.pop(node_id, None)
+        node = self.nodes.get(node_id)
+        if node is not None:
+            self._apply_cordon(node)
+        return undone
+
+    def _apply_cordon(self, node: Node) -> None:
+        mark = self.cordons.get(node.node_id)
+        node.cordoned = mark is not None
+        node.draining = mark is Cordon.DRAINING
+        self.generation += 1
 
     def _move(self, node: Node, new: NodeState, now: float, reason: str) -> Transition:
         self.generation += 1
@@ -83,6 +137,7 @@ class Fleet:
         if node is None:
             node = Node(register.node_id, register, NodeState.READY, now, now, shards=shards)
             self.nodes[register.node_id] = node
+            self._apply_cordon(node)
             return [self._move(node, NodeState.READY, now, "registered")]
         node.register, node.shards = register, shards
         node.connected, node.last_heartbeat = True, now
@@ -110,8 +165,13 @@ class Fleet:
 
     def shard_status(self, node_id: str, status: schema.ShardStatus) -> None:
         node = self.nodes.get(node_id)
-        if node is not None:
-            node.shards[status.shard_id] = status
+        if node is None:
+            return
+        before = node.shards.get(status.shard_id)
+        node.shards[status.shard_id] = status
+        if before is None or (before.state in LIVE_SHARD_STATES) != (status.state in LIVE_SHARD_STATES):
+            # An engine appeared or stopped: what the node's engines hold changed for placement.
+            self.generation += 1
 
     def disconnected(self, node_id: str, now: float, reason: str) -> list[Transition]:
         node = self.nodes.get(node_id)
@@ -130,6 +190,7 @@ class Fleet:
             node = Node(reg.node_id, reg, NodeState.UNREACHABLE, now, now, connected=False)
             node.shards = {s.shard_id: s for s in reg.shards}
             self.nodes[reg.node_id] = node
+            self._apply_cordon(node)
             out.append(
                 self._move(node, NodeState.UNREACHABLE, now, "control plane restarted; awaiting re-register")
             )

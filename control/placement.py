@@ -17,7 +17,8 @@ Rules where the choice is ours (each one is deterministic):
   kept with the first fabric name its nodes share; that field is the one thing `place` fills in. When two
   current placements claim the same GPU or port (bad input), the one with the lower (model, replica index)
   wins and the other is placed again.
-- **Order.** Kept placements claim their GPUs and ports first. New replicas are then placed model by model
+- **Order.** Kept placements claim their GPUs and ports first, then what engines outside every
+  placement still hold (`NodeView.held_gpus`, `held_ports`). New replicas are then placed model by model
   in name order, replica index ascending, so scaling down always drops the highest indices and a replica
   with a low index is never starved by one with a higher index of the same model.
 - **Single-node replicas.** Among the nodes that fit, prefer one that can give a GPU set fully connected
@@ -31,6 +32,10 @@ Rules where the choice is ours (each one is deterministic):
   big fabrics for big jobs), then the fabric name. Within it, take the best nodes by the single-node order
   above. Ranks follow node_id, except that rank 0, the leader, is the lowest node_id among the chosen that
   has a second free port for the master; `master_addr` is its mgmt_addr.
+- **Shard ids.** `{replica_id}-s{rank}-{6 hex}`, the hex a hash of the shard's node, GPUs and port, so
+  each placement has an id of its own and the same placement always the same id (`shard_id`).
+- **Cordoned and draining nodes** take nothing new; what they run is kept as long as the caller passes
+  it in `current` (a drain leaves it out, so its replicas are placed elsewhere).
 - **Ports.** Each shard takes the lowest free port in its node's inclusive range; the leader's master
   port is the lowest free port after that (engine and master ports share one pool per node). With
   `master_port_offset > 0` the master port must be exactly engine port + offset instead (for engines that
@@ -50,6 +55,7 @@ Rules where the choice is ours (each one is deterministic):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -59,6 +65,9 @@ import attrs
 READY = "ready"
 UNREACHABLE = "unreachable"
 LOST = "lost"
+
+#: The longest shard id (``schema.ids.SHARD_ID``).
+SHARD_ID_MAX = 128
 
 #: Exact NVLink clique search up to this many free qualifying GPUs on a node; greedy above it.
 EXACT_CLIQUE_LIMIT = 16
@@ -113,8 +122,15 @@ class NodeView:
     mgmt_addr: str
     #: Inclusive engine port range the node offers; first > last means no ports.
     port_range: tuple[int, int]
-    #: Cordoned by `ctl drain`: keeps what runs, takes nothing new.
+    #: Being drained (`ctl drain`): takes nothing new; the caller moves its replicas off.
     draining: bool = False
+    #: Cordoned (`ctl cordon`): keeps what runs, takes nothing new.
+    cordoned: bool = False
+    #: GPUs and ports held by engines that run on the node outside any current placement (a copy
+    #: left over from before the node was lost, or one waiting for its replacement): new placements
+    #: keep off them until those engines stop, so no engine starts on a port or GPU still in use.
+    held_gpus: frozenset[int] = attrs.field(default=frozenset(), converter=_int_frozenset)
+    held_ports: frozenset[int] = attrs.field(default=frozenset(), converter=_int_frozenset)
 
 
 @attrs.frozen
@@ -206,8 +222,20 @@ def replica_id(model: str, index: int) -> str:
     return f"{model}-r{index}"
 
 
-def shard_id(replica: str, rank: int) -> str:
-    return f"{replica}-s{rank}"
+def shard_id(replica: str, rank: int, node_id: str, gpu_indices: Sequence[int], port: int) -> str:
+    """``{replica}-s{rank}-{6 hex}``: one id per placement, the same for the same placement.
+
+    The hex digits hash where the shard runs (node, GPUs, port) with the replica and rank, so a
+    replica placed anew (moved off a drained or lost node, or reshaped) gets an id of its own: the
+    old engine's state and log stay reachable under the old id (``ctl logs``), and an agent that
+    still runs the old copy can never confuse it with the new one. Ids obey ``schema.ids.SHARD_ID``
+    (model names use its alphabet already); a replica id too long to fit 128 characters with the
+    suffix is cut, and the hash, taken over the whole of it, keeps the ids of two long names apart.
+    """
+    where = f"{replica}\0{rank}\0{node_id}\0{','.join(map(str, gpu_indices))}\0{port}"
+    digest = hashlib.sha256(where.encode()).hexdigest()[:6]
+    suffix = f"-s{rank}-{digest}"
+    return f"{replica[: SHARD_ID_MAX - len(suffix)]}{suffix}"
 
 
 def place(
@@ -226,6 +254,8 @@ def place(
     fleet = _Fleet(node_list)
     ledger = _Ledger(fleet.infos)
     kept = _keep(current, {m.name: m for m in model_list}, fleet.infos, ledger)
+    for info in fleet.infos.values():
+        ledger.hold(info)
     cliques = _CliqueFinder()
     offers: _OfferMemo = {}
 
@@ -375,6 +405,17 @@ class _Ledger:
         self.replicas_of: dict[str, dict[str, int]] = {}
         #: node -> how many placements have claimed something there; lets fit results be memoised.
         self.version: dict[str, int] = dict.fromkeys(infos, 0)
+
+    def hold(self, info: _NodeInfo) -> None:
+        """Claim what engines outside every placement still use there (after the kept placements,
+        which keep theirs whatever else runs)."""
+        node = info.node
+        gpus = {g for g in node.held_gpus if g in info.gpus}
+        ports = {p for p in node.held_ports if info.has_port(p)}
+        if gpus or ports:
+            self.gpus[info.node_id] |= gpus
+            self.ports[info.node_id] |= ports
+            self.version[info.node_id] += 1
 
     def free_ports(self, info: _NodeInfo) -> int:
         # Every claimed port lies within the node's range: kept ones are checked, new ones drawn from it.
@@ -529,7 +570,9 @@ class _Reason:
 
 
 # Tie-break between groups of equal size in the summary: resource shortages first, then policy.
-_CATEGORY_ORDER = ("gpus", "ports", "fabric", "master", "label", "draining", "unreachable", "state", "lost")
+_CATEGORY_ORDER = (
+    "gpus", "ports", "fabric", "master", "label", "cordoned", "draining", "unreachable", "state", "lost",
+)  # fmt: skip
 
 
 def _closed_reason(node: NodeView) -> _Reason | None:
@@ -543,6 +586,8 @@ def _closed_reason(node: NodeView) -> _Reason | None:
         return _Reason("state", text, text)
     if node.draining:
         return _Reason("draining", "draining", "draining")
+    if node.cordoned:
+        return _Reason("cordoned", "cordoned", "cordoned")
     return None
 
 
@@ -749,7 +794,7 @@ class _Candidates:
         info = self.view.fleet.infos[best[3]]
         port = self.ledger.lowest_port(info)
         assert port is not None  # entries hold only nodes with a free port
-        shard = ShardAssignment(shard_id(rid, 0), info.node_id, best[4], port)
+        shard = ShardAssignment(shard_id(rid, 0, info.node_id, best[4], port), info.node_id, best[4], port)
         return ReplicaPlacement(self.view.model.name, rid, (shard,))
 
     def _multi(self, rid: str) -> ReplicaPlacement | None:
@@ -782,7 +827,7 @@ class _Candidates:
             assert port is not None  # entries hold only nodes with a free port
             shards.append(
                 ShardAssignment(
-                    shard_id(rid, rank),
+                    shard_id(rid, rank, entry[3], entry[4], port),
                     entry[3],
                     entry[4],
                     port,

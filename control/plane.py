@@ -21,13 +21,14 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+import attrs
 import cattrs
 import trio
 
 import schema
 from control.agentsvc import AgentService
 from control.config import ControlConfig, Listen, ModelConfig
-from control.fleet import Fleet, Node, NodeState, Transition
+from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.placement import (
     GpuView,
     ModelSpec,
@@ -56,6 +57,26 @@ def _cc(text: str) -> tuple[int, int]:
 def _same_key(a: object, b: tuple[object, ...]) -> bool:
     assert isinstance(a, tuple)
     return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))
+
+
+class DrainRefused(Exception):
+    """A drain that would leave a model with no replica; the message says which and why."""
+
+
+def _held(node: Node) -> tuple[frozenset[int], frozenset[int]]:
+    """The GPUs and ports of every engine the node reports running (placement keeps new replicas
+    off those that no placement accounts for: a leftover copy, a replica being replaced)."""
+    gpus: set[int] = set()
+    ports: set[int] = set()
+    for st in node.shards.values():
+        spec = st.spec
+        if st.state not in LIVE_SHARD_STATES or spec is None:
+            continue
+        gpus.update(spec.gpu_indices)
+        ports.add(spec.http_port)
+        if spec.nnodes > 1 and spec.node_rank == 0 and spec.master_port:
+            ports.add(spec.master_port)
+    return frozenset(gpus), frozenset(ports)
 
 
 def model_name_of(replica_id: str) -> str:
@@ -116,14 +137,128 @@ class ControlPlane:
         if transitions:
             self.poke()
 
-    def drain_node(self, node_id: str) -> None:
+    async def cordon_node(self, node_id: str) -> None:
+        """Cordon a node (it takes nothing new, keeps what runs); on disk before this returns."""
+        self.fleet.cordon(node_id, Cordon.CORDONED)
+        log.info("node %s: %s (takes no new replicas)", node_id, self.fleet.cordons[node_id].value)
+        await self.save()
+        self.poke()
+
+    async def uncordon_node(self, node_id: str) -> Cordon | None:
+        """Undo a cordon or a drain; on disk before this returns. Replicas that already moved stay
+        where they are now (placements are stable); the node takes new ones again."""
+        undone = self.fleet.uncordon(node_id)
+        log.info("node %s: uncordoned (was %s)", node_id, undone.value if undone else "not cordoned")
+        await self.save()
+        self.poke()
+        return undone
+
+    async def drain_node(self, node_id: str, *, force: bool = False) -> list[str]:
+        """Drain a node: cordon it and move its replicas elsewhere, replacements first (each old
+        engine serves until its replacement is ready, then is drained and stops).
+
+        Refused (``DrainRefused``, with the reason) when a model would be left with no replica at all
+        because nowhere else can take the ones on this node, unless ``force``: like kubectl drain
+        against a PodDisruptionBudget, the operator decides, not a timeout. Returns what the drain
+        will do, one line per replica; the drain is on disk before this returns.
+        """
+        if node_id not in self.fleet.nodes:
+            known = ", ".join(sorted(self.fleet.nodes)) or "none"
+            raise KeyError(f"no node {node_id!r}; known: {known}")
+        plan = await self._plan_without(node_id)
+        lines: list[str] = []
+        refusals: list[str] = []
+        for model in sorted({r.model for r in self.placements if node_id in r.node_ids}):
+            replicas = [r for r in self.placements if r.model == model]
+            leaving = [r for r in replicas if node_id in r.node_ids]
+            moving = False
+            for replica in leaving:
+                new = plan.replica(replica.replica_id)
+                if new is not None:
+                    moving = True
+                    lines.append(f"{replica.replica_id} moves to {', '.join(new.node_ids)}")
+                else:
+                    why = plan.why(replica.replica_id)
+                    lines.append(f"{replica.replica_id} cannot move: {why.reason if why else 'not placed'}")
+            ready_here = any(self._ready(r) for r in leaving)
+            ready_elsewhere = any(self._ready(r) for r in replicas if node_id not in r.node_ids)
+            if ready_here and not ready_elsewhere and not moving:
+                unplaced = plan.unplaced_for(model)
+                reason = unplaced[0].reason if unplaced else "not placed"
+                refusals.append(
+                    f"{model} would have no ready replica: nowhere else can take "
+                    f"{', '.join(r.replica_id for r in leaving)} ({reason})"
+                )
+        if refusals and not force:
+            raise DrainRefused(
+                f"drain of {node_id} refused: {'; '.join(refusals)}; "
+                "add capacity elsewhere, or drain with --force to stop them anyway"
+            )
+        self.fleet.cordon(node_id, Cordon.DRAINING)
+        log.info(
+            "node %s: draining%s (cordoned; replicas move elsewhere): %s",
+            node_id,
+            " with --force" if refusals else "",
+            "; ".join(lines) or "nothing runs there",
+        )
+        await self.save()
+        self.poke()
+        return lines
+
+    def _ready(self, replica: ReplicaPlacement) -> bool:
+        """Every shard of the replica reports READY."""
+        for shard in replica.shards:
+            node = self.fleet.nodes.get(shard.node_id)
+            status = node.shards.get(shard.shard_id) if node else None
+            if status is None or status.state != State.READY:
+                return False
+        return True
+
+    async def _plan_without(self, node_id: str) -> Plan:
+        """The plan placement would make with ``node_id`` draining as well (nothing is changed)."""
+        draining = {n.node_id for n in self.fleet.nodes.values() if n.draining} | {node_id}
+        current = tuple(
+            r
+            for r in (*self.placements, *self._adopted())
+            if not any(s.node_id in draining for s in r.shards)
+        )
+        views = [attrs.evolve(v, draining=True) if v.node_id == node_id else v for v in self.node_views()]
+        return await trio.to_thread.run_sync(place, self.model_specs(), views, current)
+
+    def drain_progress(self, node_id: str) -> dict[str, Any]:
+        """What still runs on a node being drained, and where each replica's replacement stands."""
         node = self.fleet.nodes.get(node_id)
         if node is None:
-            raise KeyError(f"no node {node_id!r}")
-        node.draining = True
-        self.fleet.generation += 1
-        log.info("node %s: draining (cordoned; replicas move elsewhere)", node_id)
-        self.poke()
+            raise KeyError(f"no node {node_id!r}; known: {', '.join(sorted(self.fleet.nodes)) or 'none'}")
+        shards = []
+        for st in sorted(node.shards.values(), key=lambda s: s.shard_id):
+            if st.state not in LIVE_SHARD_STATES:
+                continue
+            replacement = self.plan.replica(st.replica_id)
+            states = []
+            if replacement is not None and node_id not in replacement.node_ids:
+                for shard in replacement.shards:
+                    other = self.fleet.nodes.get(shard.node_id)
+                    status = other.shards.get(shard.shard_id) if other else None
+                    states.append(State(status.state).name.lower() if status else "pending")
+            shards.append(
+                {
+                    "shard_id": st.shard_id,
+                    "replica_id": st.replica_id,
+                    "state": State(st.state).name.lower(),
+                    "replacement": ", ".join(replacement.node_ids)
+                    if replacement is not None and node_id not in replacement.node_ids
+                    else "",
+                    "replacement_state": "/".join(states),
+                }
+            )
+        return {
+            "node_id": node_id,
+            "cordon": self.fleet.cordons.get(node_id, ""),
+            "node_state": node.state.value,
+            "shards": shards,
+            "empty": not shards,
+        }
 
     # -- desired state ------------------------------------------------------------------------------
 
@@ -149,10 +284,11 @@ class ControlPlane:
         views = []
         for node in self.fleet.nodes.values():
             # The Register object itself, compared by identity: ids of freed objects are reused.
-            key = (node.register, node.state, node.draining)
+            held = _held(node)
+            key = (node.register, node.state, node.draining, node.cordoned, held)
             cached = self._views.get(node.node_id)
             if cached is None or not _same_key(cached[0], key):
-                cached = (key, self._view(node))
+                cached = (key, self._view(node, held))
                 self._views[node.node_id] = cached
             views.append(cached[1])
         for gone in set(self._views) - set(self.fleet.nodes):
@@ -160,7 +296,7 @@ class ControlPlane:
         self._views_generation, self._views_list = self.fleet.generation, views
         return views
 
-    def _view(self, node: Node) -> NodeView:
+    def _view(self, node: Node, held: tuple[frozenset[int], frozenset[int]]) -> NodeView:
         first, last = self.config.engines.port_range
         reg = node.register
         # The control plane's engine ports, within what the node offers; first > last: none.
@@ -183,6 +319,9 @@ class ControlPlane:
             mgmt_addr=reg.mgmt_addr,
             port_range=(lo, hi),
             draining=node.draining,
+            cordoned=node.cordoned,
+            held_gpus=held[0],
+            held_ports=held[1],
         )
 
     def _adopted(self) -> list[ReplicaPlacement]:
@@ -317,13 +456,20 @@ class ControlPlane:
                 self._encoded[nid] = (reg, text)
         for gone in set(self._encoded) - {n.node_id for n in live}:
             del self._encoded[gone]
-        key = (tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())), self.placements)
+        cordons = tuple(sorted(self.fleet.cordons.items()))
+        key = (
+            tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())),
+            self.placements,
+            cordons,
+        )
         if key == self._saved_key:
             self._saved_generation = generation
             return
         doc = {
             "nodes": {nid: text for nid, (_, text) in self._encoded.items()},
             "placements": self._converter.unstructure(list(self.placements)),
+            # Operator decisions: a restart must not make a cordoned or draining node schedulable.
+            "cordons": {nid: mark.value for nid, mark in cordons},
         }
         await trio.to_thread.run_sync(self._write_state, doc)
         self._saved_key = key
@@ -369,12 +515,18 @@ class ControlPlane:
             log.warning("%s: unreadable (%s); starting with no memory of the fleet", self.state_file, exc)
             return
         registers = [schema.Register.parse(base64.b64decode(v)) for v in doc.get("nodes", {}).values()]
+        for node_id, mark in dict(doc.get("cordons", {})).items():
+            try:
+                self.fleet.cordons[str(node_id)] = Cordon(mark)
+            except ValueError:
+                log.warning("%s: node %r: unknown cordon %r, ignored", self.state_file, node_id, mark)
         self._transitions(self.fleet.restore(registers, self.clock(), self.config.liveness.grace))
         self.placements = tuple(self._converter.structure(doc.get("placements", []), list[ReplicaPlacement]))
         log.info(
-            "restored %d node(s) and %d placement(s) from %s",
+            "restored %d node(s), %d placement(s) and %d cordon(s) from %s",
             len(registers),
             len(self.placements),
+            len(self.fleet.cordons),
             self.state_file,
         )
 

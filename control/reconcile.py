@@ -32,12 +32,12 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 import schema
-from control.fleet import Node, NodeState
+from control.fleet import LIVE_SHARD_STATES, Node, NodeState
 from control.placement import Plan, ReplicaPlacement, ShardAssignment
 
 State = schema.ShardState
 #: States in which an engine process runs (the agent reports it alive); never start a second one.
-LIVE = (State.STARTING, State.READY, State.UNHEALTHY, State.DRAINING)
+LIVE = LIVE_SHARD_STATES
 
 
 @attrs.frozen

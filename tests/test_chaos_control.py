@@ -41,8 +41,10 @@ def node_of(fleet: Fleet, node_id: str) -> dict[str, Any]:
 def slots(fleet: Fleet, chat: str) -> dict[str, tuple[str, str, int]]:
     """replica id -> (shard id, node, port) of the placed shard."""
     return {
-        r["replica_id"]: (r["shards"][0]["shard_id"], r["shards"][0]["node_id"], r["shards"][0]["port"])
+        r["replica_id"]: (s["shard_id"], s["node_id"], s["port"])
         for r in fleet.replicas(chat)
+        for s in r["shards"]
+        if s["placed"]
     }
 
 

@@ -6,6 +6,7 @@ own loopback address as mgmt_addr (127.0.0.1-3), so master addresses and engine 
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ def test_kill9_agent_unreachable_then_lost_replicas_move(fleet_a: Fleet) -> None
 
     def moved() -> list[dict[str, Any]] | None:
         reps = fleet_a.ready_replicas(chat, 2)
-        if reps and all(s["node_id"] != victim for r in reps for s in r["shards"]):
+        if reps and all(s["node_id"] != victim for r in reps for s in r["shards"] if s["placed"]):
             return reps
         return None
 
@@ -226,28 +227,120 @@ require_client_cert = true
         fleet.stop()
 
 
-def test_ctl_logs_and_drain_moves_replicas_first(fleet_a: Fleet) -> None:
-    chat = CHAT.format(tag="a")
-    ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
-    shard = ready[0]["shards"][0]
-    logs = fleet_a.cp.ctl("logs", shard["shard_id"], "-n", "50")
-    assert logs.returncode == 0, logs.stderr
-    assert "sim: ready on port" in logs.stdout  # the engine's own output, fetched over the stream
+def test_drain_waits_for_replacements_and_old_engines_stay_listed_and_reachable(tmp_path: Path) -> None:
+    """Layout A with engines that take 2 s to load, so the drain's middle can be watched: the old
+    engines stay in `ctl replicas` as draining and keep serving while their replacements load; `ctl
+    drain --wait` shows progress until the node is empty; each placement has a shard id of its own,
+    so `ctl logs` still reaches the old engine's log after the move."""
+    fleet = Fleet(tmp_path, "d", LAYOUT_A, chat_load_seconds=2.0)
+    fleet.start()
+    try:
+        chat = CHAT.format(tag="d")
+        ready = poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
+        old = [s for r in ready for s in r["shards"]]
+        node = old[0]["node_id"]
+        assert {s["node_id"] for s in old} == {node}  # best fit: both on the 4-GPU gpu02
+        logs = fleet.cp.ctl("logs", old[0]["shard_id"], "-n", "50")
+        assert logs.returncode == 0, logs.stderr
+        assert "sim: ready on port" in logs.stdout  # the engine's own output, fetched over the stream
+        old_pids = fleet.agents[node].engine_pids()
 
-    node = shard["node_id"]
-    old_pids = fleet_a.agents[node].engine_pids()
-    drained = fleet_a.cp.ctl("drain", node)
-    assert drained.returncode == 0 and "draining" in drained.stdout
+        waiting = subprocess.Popen(
+            [*fleet.cp.ctl_argv(), "drain", node, "--wait", "--timeout", "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
 
-    def moved() -> list[dict[str, Any]] | None:
-        reps = fleet_a.ready_replicas(chat, 2)
-        if reps and all(s["node_id"] != node for r in reps for s in r["shards"]):
-            return reps
-        return None
+            def old_listed_as_draining() -> list[dict[str, Any]] | None:
+                shards = [s for r in fleet.replicas(chat) for s in r["shards"]]
+                leaving = [s for s in shards if not s["placed"] and s["state"] == "draining"]
+                return leaving if len(leaving) == 2 and all(s["node_id"] == node for s in leaving) else None
 
-    poll(f"{chat} ready off {node}", moved)
-    poll(f"the engines on {node} stopped", lambda: not any(pid_alive(p) for p in old_pids))
-    assert "(draining)" in fleet_a.cp.ctl("nodes").stdout
+            leaving = poll("the old engines listed as draining", old_listed_as_draining, timeout=30)
+            assert {s["shard_id"] for s in leaving} == {s["shard_id"] for s in old}
+            # Still serving: the router has nothing else until the replacements are ready.
+            router = f"http://127.0.0.1:{fleet.cp.router_port}/v1/completions"
+            answer = httpx.post(router, json={"model": chat, "prompt": "hi", "max_tokens": 2}, timeout=10)
+            assert answer.status_code == 200
+            out, err = waiting.communicate(timeout=90)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+                waiting.wait()
+        assert waiting.returncode == 0, err
+        lines = out.splitlines()
+        assert lines[0].startswith(f"{node}: draining;") and "moves to gpu01" in out
+        assert any(f"{node}: 2 shard(s) left:" in line for line in lines), out
+        assert lines[-1] == f"{node}: drained; nothing runs there any more"
+
+        new = fleet.placed_shards(chat)
+        assert all(s["node_id"] != node and s["state"] == "ready" for s in new)
+        assert not {s["shard_id"] for s in new} & {s["shard_id"] for s in old}
+        assert not any(pid_alive(p) for p in old_pids)
+        assert all(len(s["shards"]) == 1 for s in fleet.replicas(chat))  # the old copies left the list
+        old_logs = fleet.cp.ctl("logs", old[0]["shard_id"], "-n", "50")
+        assert old_logs.returncode == 0 and "sim: ready on port" in old_logs.stdout, old_logs.stderr
+        assert "(draining)" in fleet.cp.ctl("nodes").stdout
+    finally:
+        fleet.stop()
+
+
+def test_drain_refused_for_a_last_replica_then_forced_and_remembered_across_restarts(
+    tmp_path: Path,
+) -> None:
+    """One 4-GPU node runs both chat replicas; nowhere else can take them."""
+    fleet = Fleet(tmp_path, "e", [("gpu02", "h100x4.toml", "ib-a", "127.0.0.2")])
+    fleet.start()
+    try:
+        chat = CHAT.format(tag="e")
+        poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
+        pids = sim_processes(chat)
+        assert len(pids) == 2
+
+        refused = fleet.cp.ctl("drain", "gpu02")
+        assert refused.returncode == 1 and "HTTP 409" in refused.stderr
+        assert f"drain of gpu02 refused: {chat} would have no ready replica: nowhere else can take" in (
+            refused.stderr
+        )
+        assert "--force" in refused.stderr
+        node = next(n for n in fleet.cp.api("/api/nodes") if n["node_id"] == "gpu02")
+        assert not node["draining"] and not node["cordoned"]
+
+        # A cordon survives a restart, and keeps what runs.
+        cordoned = fleet.cp.ctl("cordon", "gpu02")
+        assert cordoned.returncode == 0 and "gpu02: cordoned" in cordoned.stdout
+        fleet.cp.terminate()
+        fleet.cp.start()
+        poll("gpu02 registered again", lambda: fleet.cp.api("/api/nodes")[0]["state"] == "ready")
+        assert "ready (cordoned)" in fleet.cp.ctl("nodes").stdout
+        poll(f"{chat} ready after the restart", lambda: fleet.ready_replicas(chat, 2))
+        assert sim_processes(chat) == pids
+
+        forced = fleet.cp.ctl("drain", "gpu02", "--force", "--wait", "--timeout", "60")
+        assert forced.returncode == 0, forced.stderr
+        assert "draining (forced)" in forced.stdout and "cannot move" in forced.stdout
+        assert forced.stdout.splitlines()[-1] == "gpu02: drained; nothing runs there any more"
+        poll("the engines stopped", lambda: not sim_processes(chat))
+
+        # The drain survives a restart too: the node stays out of placement.
+        fleet.cp.terminate()
+        fleet.cp.start()
+        poll("gpu02 registered again", lambda: fleet.cp.api("/api/nodes")[0]["state"] == "ready")
+        assert "ready (draining)" in fleet.cp.ctl("nodes").stdout
+        why = fleet.cp.ctl("why", chat)
+        assert why.returncode == 0 and "gpu02: draining" in why.stdout
+
+        undone = fleet.cp.ctl("uncordon", "gpu02")
+        assert undone.returncode == 0 and "gpu02: uncordoned (was draining)" in undone.stdout
+        poll(
+            f"{chat} placed on gpu02 again",
+            lambda: [s["node_id"] for s in fleet.placed_shards(chat)] == ["gpu02", "gpu02"],
+        )
+        poll("its two engines running again", lambda: len(sim_processes(chat)) == 2)
+    finally:
+        fleet.stop()
 
 
 def docs_catalog() -> str:

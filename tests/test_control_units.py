@@ -215,14 +215,27 @@ def test_routes_move_to_the_replacement_only_once_it_is_ready(tmp_path: object) 
     plane.build_routes()
     assert [u.url for u in plane.routes()["chat"].upstreams] == [f"http://10.0.0.{old.node_id[-1]}:8000"]
 
-    plane.drain_node(old.node_id)
+    trio.run(plane.drain_node, old.node_id)
     trio.run(plane.replan)
     [moved] = plane.placements
     new = moved.shards[0]
     assert new.node_id != old.node_id
-    # The replacement is not ready yet: the old engine keeps serving.
+    # The replacement is not ready yet: the old engine keeps serving, and stays listed as draining.
     plane.build_routes()
     assert [u.url for u in plane.routes()["chat"].upstreams] == [f"http://10.0.0.{old.node_id[-1]}:8000"]
+    from control.api import replicas_doc
+
+    [doc] = replicas_doc(plane)
+    assert doc["state"] == "not ready"
+    assert [(s["shard_id"], s["placed"], s["state"]) for s in doc["shards"]] == [
+        (new.shard_id, True, "pending"),
+        (old.shard_id, False, "draining"),
+    ]
+    # A replacement failing its liveness probe (UNHEALTHY) is live but never routed.
+    plane.fleet.shard_status(new.node_id, status(State.UNHEALTHY, pid=2, shard=new.shard_id))
+    plane.build_routes()
+    assert [u.url for u in plane.routes()["chat"].upstreams] == [f"http://10.0.0.{old.node_id[-1]}:8000"]
+    assert replicas_doc(plane)[0]["shards"][0]["state"] == "unhealthy"
     # Once it is, traffic moves and the drained replica gets no new requests.
     plane.fleet.shard_status(new.node_id, status(State.READY, pid=2, shard=new.shard_id))
     plane.build_routes()
@@ -378,3 +391,78 @@ def test_state_is_fsynced_before_the_rename_and_the_directory_after(
     assert list(json.loads((tmp_path / "control-state.json").read_text())["nodes"]) == ["n1"]
     trio.run(plane.save_now)  # nothing changed: nothing written again
     assert events == ["fsync file", "rename", "fsync dir"]
+
+
+def test_cordon_and_drain_outlive_the_node_record_and_only_uncordon_undoes_them() -> None:
+    from control.fleet import Cordon
+
+    fleet = Fleet(15, 300)
+    with pytest.raises(KeyError, match="no node 'n9'"):
+        fleet.cordon("n9", Cordon.CORDONED)
+    fleet.registered(reg("n1"), now=0)
+    fleet.cordon("n1", Cordon.DRAINING)
+    fleet.cordon("n1", Cordon.CORDONED)  # a cordon does not weaken a drain
+    assert fleet.nodes["n1"].draining and fleet.nodes["n1"].cordoned
+    # Known again after a restart (or after being lost): the mark is applied at registration.
+    again = Fleet(15, 300, cordons=dict(fleet.cordons))
+    again.registered(reg("n1"), now=0)
+    assert again.nodes["n1"].draining
+    assert again.uncordon("n1") is Cordon.DRAINING
+    assert not again.nodes["n1"].cordoned and not again.nodes["n1"].draining
+    assert again.uncordon("n1") is None
+
+
+def two_node_plane(tmp_path: Path) -> object:
+    from control.plane import ControlPlane
+
+    cfg = parse(
+        f'state_dir = "{tmp_path}"\n[[models]]\nname = "m"\nreplicas = 1\n[models.gpus]\ncount = 4\n'
+        '[models.profile]\nengine = "sim"\nmodel = "m"\n'
+    )
+    plane = ControlPlane(cfg, clock=lambda: 0.0)
+    for node_id, gpus in (("n1", 8), ("n2", 2)):
+        plane.fleet.registered(
+            schema.Register(
+                node_id=node_id,
+                mgmt_addr="10.0.0.1",
+                engine_ports=schema.PortRange(first=8000, last=8010),
+                gpus=[schema.Gpu(index=i, memory_total_mib=81559) for i in range(gpus)],
+            ),
+            0,
+        )
+    return plane
+
+
+def test_a_drain_that_leaves_a_model_without_a_ready_replica_is_refused_unless_forced(
+    tmp_path: Path,
+) -> None:
+    import functools
+
+    import trio
+
+    from control.plane import ControlPlane, DrainRefused
+
+    plane = two_node_plane(tmp_path)
+    assert isinstance(plane, ControlPlane)
+    trio.run(plane.replan)
+    [replica] = plane.placements
+    shard = replica.shards[0]
+    assert shard.node_id == "n1"  # n2 has 2 GPUs; the model needs 4
+    plane.fleet.shard_status("n1", status(State.READY, shard=shard.shard_id))
+    with pytest.raises(DrainRefused) as refused:
+        trio.run(plane.drain_node, "n1")
+    assert str(refused.value) == (
+        "drain of n1 refused: m would have no ready replica: nowhere else can take m-r0 (0/2 nodes are "
+        "available: 1 insufficient free GPUs (need 4, have 2 free), 1 draining.); add capacity "
+        "elsewhere, or drain with --force to stop them anyway"
+    )
+    assert not plane.fleet.nodes["n1"].cordoned and not plane.fleet.cordons
+    moves = trio.run(functools.partial(plane.drain_node, "n1", force=True))
+    assert moves == [
+        "m-r0 cannot move: 0/2 nodes are available: 1 insufficient free GPUs (need 4, have 2 free), "
+        "1 draining."
+    ]
+    # On disk before the answer, and back after a restart.
+    again = ControlPlane(plane.config, clock=lambda: 0.0)
+    again.restore()
+    assert again.fleet.nodes["n1"].draining and again.fleet.cordons == {"n1": "draining"}

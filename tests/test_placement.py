@@ -18,7 +18,9 @@ from control.placement import (
     ReplicaPlacement,
     ShardAssignment,
     place,
+    shard_id,
 )
+from schema.ids import SHARD_ID
 
 H100_MIB = 81559  # what NVML reports for an 80 GB H100
 ALL = "all"  # every GPU NVLinked to every other (NVSwitch)
@@ -91,7 +93,8 @@ def test_two_replicas_of_an_8_gpu_model_take_one_node_each() -> None:
         "llama-r0": [("gpu01", tuple(range(8)))],
         "llama-r1": [("gpu02", tuple(range(8)))],
     }
-    assert [r.shards[0].shard_id for r in plan.replicas] == ["llama-r0-s0", "llama-r1-s0"]
+    # Each placement has its own id, a hash of where it runs: the same placement, the same id.
+    assert [r.shards[0].shard_id for r in plan.replicas] == ["llama-r0-s0-9d108d", "llama-r1-s0-821a3a"]
     assert [r.shards[0].port for r in plan.replicas] == [8000, 8000]
     assert plan.unplaced == ()
 
@@ -228,6 +231,44 @@ def test_draining_nodes_keep_placements_but_take_no_new_ones() -> None:
     again = place([ModelSpec("m", 2, 8)], fleet, first.replicas)
     assert again.replicas == first.replicas
     assert again.unplaced[0].per_node == {"gpu01": "draining"}
+
+
+def test_cordoned_nodes_keep_placements_but_take_no_new_ones() -> None:
+    first = place([ModelSpec("m", 1, 8)], [node("gpu01")], [])
+    again = place([ModelSpec("m", 2, 8)], [attrs.evolve(node("gpu01"), cordoned=True)], first.replicas)
+    assert again.replicas == first.replicas
+    assert again.unplaced[0].per_node == {"gpu01": "cordoned"}
+
+
+def test_a_moved_replica_gets_a_shard_id_of_its_own() -> None:
+    model = ModelSpec("m", 1, 4)
+    first = place([model], [node("gpu01", 4), node("gpu02", 4)], [])
+    (old,) = first.replicas
+    drained = [attrs.evolve(node(n, 4), draining=n == old.shards[0].node_id) for n in ("gpu01", "gpu02")]
+    (moved,) = place([model], drained, []).replicas
+    assert moved.replica_id == old.replica_id and moved.node_ids != old.node_ids
+    assert moved.shards[0].shard_id != old.shards[0].shard_id
+    assert {s.shard_id.rsplit("-", 1)[0] for s in (old.shards[0], moved.shards[0])} == {"m-r0-s0"}
+
+
+def test_long_model_names_still_give_valid_distinct_shard_ids() -> None:
+    long_a, long_b = "x" * 130 + "-a", "x" * 130 + "-b"
+    plan = place([ModelSpec(long_a, 2, 0), ModelSpec(long_b, 1, 0)], [node("cpu01", 0)], [])
+    ids = [s.shard_id for r in plan.replicas for s in r.shards]
+    assert len(ids) == len(set(ids)) == 3
+    assert all(SHARD_ID.fullmatch(i) and len(i) == 128 for i in ids)
+    assert all(i.endswith(f"-s0-{i[-6:]}") for i in ids)
+
+
+def test_new_placements_keep_off_gpus_and_ports_held_by_engines_outside_every_placement() -> None:
+    """A node back after being lost still runs its old engine on GPUs 0-3 and port 8000 (its replica
+    was placed elsewhere meanwhile): a new replica must not be started on top of it."""
+    back = attrs.evolve(node("gpu01"), held_gpus=frozenset({0, 1, 2, 3}), held_ports=frozenset({8000}))
+    (replica,) = place([ModelSpec("m", 1, 4)], [back], []).replicas
+    assert replica.shards[0].gpu_indices == (4, 5, 6, 7) and replica.shards[0].port == 8001
+    full = attrs.evolve(back, held_gpus=frozenset(range(8)))
+    (why,) = place([ModelSpec("m", 1, 4)], [full], []).unplaced
+    assert why.per_node["gpu01"] == "insufficient free GPUs (need 4, have 0 free)"
 
 
 # --- liveness ----------------------------------------------------------------------------------------
@@ -373,7 +414,7 @@ def test_a_16_gpu_model_places_on_two_nodes_of_one_fabric() -> None:
         "gpu02",
         1,
     )
-    assert [s.shard_id for s in replica.shards] == ["big-r0-s0", "big-r0-s1"]
+    assert [s.shard_id for s in replica.shards] == ["big-r0-s0-81500b", "big-r0-s1-397be7"]
     assert leader.gpu_indices == follower.gpu_indices == tuple(range(8))
     assert leader.nnodes == follower.nnodes == 2
     assert leader.master_addr == follower.master_addr == fleet[0].mgmt_addr == "10.0.0.1"
@@ -546,6 +587,9 @@ def fleets(draw: st.DrawFn) -> list[NodeView]:
                 mgmt_addr=f"10.0.0.{i}",
                 port_range=draw(port_ranges),
                 draining=draw(drains),
+                cordoned=draw(drains),
+                held_gpus=draw(st.frozensets(st.integers(0, 8), max_size=3)),
+                held_ports=draw(st.frozensets(st.integers(7999, 8005), max_size=2)),
             )
         )
     return out
@@ -666,9 +710,15 @@ def check_invariants(
                 assert n.port_range[0] <= port <= n.port_range[1]
                 assert (n.node_id, port) not in ports_used, f"port {port} on {n.node_id} used twice"
                 ports_used.add((n.node_id, port))
+            assert SHARD_ID.fullmatch(shard.shard_id)
             if (replica.replica_id, replica.shards) not in kept:
                 assert rank == shard.node_rank
-                assert n.state == "ready" and not n.draining
+                assert n.state == "ready" and not n.draining and not n.cordoned
+                assert shard.shard_id == shard_id(
+                    replica.replica_id, rank, shard.node_id, shard.gpu_indices, shard.port
+                )
+                assert not set(shard.gpu_indices) & n.held_gpus, "a held GPU given to a new placement"
+                assert not set(ports) & n.held_ports, "a held port given to a new placement"
                 assert all(n.labels.get(k) == v for k, v in spec.selector.items())
                 by_index = {g.index: g for g in n.gpus}
                 for g in shard.gpu_indices:
