@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import schema
-from agent.transport import Code, RpcError, StreamOptions, open_stream
+from agent.transport import Code, GoAwayReceived, RpcError, StreamOptions, open_stream
 from control.transport import StreamServer
 from tests.wirepeers import ack, heartbeat, register
 
@@ -100,8 +100,7 @@ class _GrpcioControlPlane:
             yield ack(msg.message_id)
 
 
-@pytest.fixture
-def grpcio_server() -> Iterator[int]:
+def _grpcio_server() -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     handler = grpc.method_handlers_generic_handler(
         schema.SERVICE,
@@ -116,6 +115,12 @@ def grpcio_server() -> Iterator[int]:
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return server, port
+
+
+@pytest.fixture
+def grpcio_server() -> Iterator[int]:
+    server, port = _grpcio_server()
     yield port
     server.stop(grace=None)
 
@@ -148,3 +153,23 @@ async def test_against_grpcio_server(grpcio_server: int) -> None:
         with pytest.raises(RpcError) as info:
             await stream.receive()
     assert info.value.code is Code.PERMISSION_DENIED and info.value.message == text
+
+
+async def test_grpcio_server_stopping_with_grace_is_a_graceful_goaway() -> None:
+    """grpcio's ``Server.stop(grace)`` is another server's graceful shutdown: a GOAWAY with a PING
+    right behind it, a second GOAWAY later. Our client surfaces the first as GoAwayReceived(NO_ERROR)
+    and leaves; before, h2 rejected the frames after it as a protocol error."""
+    server, port = _grpcio_server()
+    try:
+        async with open_stream(f"http://127.0.0.1:{port}") as stream:
+            await stream.send(heartbeat(1))
+            reply = await stream.receive()
+            assert reply is not None and reply.ack is not None and reply.ack.message_id == 1
+            stopped = server.stop(grace=10)
+            with trio.fail_after(5), pytest.raises(GoAwayReceived) as info:
+                await stream.receive()
+        assert info.value.graceful
+        # Our client left at the GOAWAY, so grpcio's stop ends long before its 10 s grace.
+        assert await trio.to_thread.run_sync(stopped.wait, 5)
+    finally:
+        server.stop(grace=None)
