@@ -160,3 +160,30 @@ def test_killed_agent_is_one_info_line_naming_node_and_address(pair: Pair) -> No
     ), lines[0]
     poll("gpu01 unreachable", lambda: not pair.node_ready())
     _no_fault_lines(pair.cp.log.read_text(), "control plane")
+
+
+def test_sigterm_with_a_hung_agent_still_exits_0_within_the_bound(pair: Pair) -> None:
+    """A SIGSTOPped agent never answers the GOAWAY: the stop waits out the stream server's grace
+    (5 s), ends that stream with UNAVAILABLE and exits; the agent, resumed, reconnects cleanly."""
+    agent = pair.start()
+    poll("gpu01 ready", pair.node_ready)
+    assert agent.proc is not None and pair.cp.proc is not None
+    agent_log_at = agent.log.stat().st_size
+    agent.proc.send_signal(signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        pair.cp.proc.send_signal(signal.SIGTERM)
+        rc = pair.cp.proc.wait(STOP_BOUND_S + 5)
+        took = time.monotonic() - began
+        print(f"SIGTERM to exit with a SIGSTOPped agent: {took:.2f} s")
+    finally:
+        agent.proc.send_signal(signal.SIGCONT)
+    assert rc == 0
+    assert 4.5 < took < STOP_BOUND_S
+    cp_text = pair.cp.log.read_text()
+    assert "1 ended with UNAVAILABLE after the 5 s grace" in cp_text, cp_text
+    _no_fault_lines(cp_text, "control plane")
+
+    pair.cp.start()
+    poll("gpu01 ready with the restarted control plane", pair.node_ready)
+    _no_fault_lines(agent.log.read_bytes()[agent_log_at:].decode(), "agent")
