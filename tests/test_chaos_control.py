@@ -1,7 +1,7 @@
 """Fault tests of the control plane with real processes: agents paused (SIGSTOP) and resumed (SIGCONT).
 
 The fleet: gpu01 (8 GPUs) and gpu02 (4 GPUs), both on ib-a; the test catalog's chat model wants two
-2-GPU replicas, and best fit puts both on gpu02, the victim. Liveness is 1.5 s to unreachable and
+2-GPU replicas, and both start on gpu02 (started first), the victim. Liveness is 1.5 s to unreachable and
 4 s more to lost. Each test prints the time from SIGCONT to the node being ready again, as
 ``/api/nodes`` shows it (polled every 0.2 s, so the figure is up to 0.2 s high).
 """
@@ -29,9 +29,15 @@ LAYOUT = [("gpu01", "h100x8.toml", "ib-a", "127.0.0.1"), ("gpu02", "h100x4.toml"
 def fleet(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     tag = "paused-" + request.node.name.split("_")[3]  # unreachable / lost: unique engine markers
     fleet = Fleet(tmp_path, tag, LAYOUT)
-    fleet.start()
-    yield fleet
-    fleet.stop()
+    try:
+        # gpu02 alone first: both chat replicas start there whatever order the agents would register in.
+        fleet.start(only={"gpu02"})
+        poll("2 ready chat replicas on gpu02", lambda: fleet.ready_replicas(CHAT.format(tag=tag), 2))
+        fleet.start()
+        poll("gpu01 ready", lambda: any(n["node_id"] == "gpu01" for n in fleet.cp.api("/api/nodes")))
+        yield fleet
+    finally:
+        fleet.stop()
 
 
 def node_of(fleet: Fleet, node_id: str) -> dict[str, Any]:
@@ -88,7 +94,7 @@ def test_paused_past_lost_after_ends_with_one_engine_per_slot(fleet: Fleet) -> N
     poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
     before = slots(fleet, chat)
     victim = next(iter(before.values()))[1]
-    assert {node for _, node, _ in before.values()} == {victim}  # best fit: both on the 4-GPU node
+    assert {node for _, node, _ in before.values()} == {victim}  # both on gpu02, started first
     old_pids = [p for pids in engines_by_port(chat).values() for p in pids]
     assert len(old_pids) == 2
 

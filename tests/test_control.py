@@ -233,13 +233,19 @@ def test_drain_waits_for_replacements_and_old_engines_stay_listed_and_reachable(
     drain --wait` shows progress until the node is empty; each placement has a shard id of its own,
     so `ctl logs` still reaches the old engine's log after the move."""
     fleet = Fleet(tmp_path, "d", LAYOUT_A, chat_load_seconds=2.0)
-    fleet.start()
+    # gpu02 alone first, so both replicas start there whatever order the agents would register in.
+    fleet.start(only={"gpu02"})
     try:
         chat = CHAT.format(tag="d")
         ready = poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
         old = [s for r in ready for s in r["shards"]]
-        node = old[0]["node_id"]
-        assert {s["node_id"] for s in old} == {node}  # best fit: both on the 4-GPU gpu02
+        node = "gpu02"
+        assert {s["node_id"] for s in old} == {node}
+        fleet.start()
+        poll(
+            "gpu01 and gpu03 ready",
+            lambda: sum(n["state"] == "ready" for n in fleet.cp.api("/api/nodes")) == 3,
+        )
         logs = fleet.cp.ctl("logs", old[0]["shard_id"], "-n", "50")
         assert logs.returncode == 0, logs.stderr
         assert "sim: ready on port" in logs.stdout  # the engine's own output, fetched over the stream
