@@ -10,6 +10,8 @@ never have to guess which of three places holds the typo. Unknown keys are error
 from __future__ import annotations
 
 import argparse
+import difflib
+import ipaddress
 import os
 import re
 import shlex
@@ -20,6 +22,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import attrs
 import cattrs
@@ -27,6 +30,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from cattrs.v import format_exception
 
 from agent.discovery.model import FabricAttachment
+from agent.engines import ENGINES
 
 ENV_PREFIX = "LLMGW_AGENT_"
 DEFAULT_CONFIG = Path("/etc/llmgw/agent.toml")
@@ -41,6 +45,112 @@ def _default_engines() -> dict[str, str]:
         "trtllm": "trtllm-serve",
         "sim": f"{shlex.quote(sys.executable)} -m agent.engines.sim",
     }
+
+
+class FieldProblem(ValueError):
+    """A rule one setting breaks, raised by a validator with the setting's path (``("server",)``,
+    ``("engines", "vlm")``).
+
+    cattrs reports an exception from ``__init__`` (where attrs runs validators) against the whole
+    class, not the key; carrying the path lets the error name the setting and where its value came
+    from, down to the line of an ``[engines]`` entry, instead of guessing from the message's words."""
+
+    def __init__(self, path: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+#: URL schemes the transport speaks (``agent.transport.client.open_stream``): HTTP/2 cleartext with
+#: prior knowledge, HTTP/2 over TLS, and WebSocket without and with TLS.
+SERVER_SCHEMES: tuple[str, ...] = ("http", "https", "ws", "wss")
+
+#: A host name as resolvers take it (underscores included: some internal zones use them).
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})")
+
+
+def server_problem(url: str) -> str:
+    """What is wrong with the control plane URL and what to write instead; "" when it is usable.
+
+    Checked when the config is read: a URL the transport cannot open fails every reconnect the same
+    way, forever, so it must stop the agent at start with one line rather than loop. Pure: nothing
+    is resolved here (the name may well resolve only later)."""
+    example = "'http://cp.example:7070'"
+    if "://" not in url:
+        hint = f"'http://{url}'" if url else example
+        return (
+            f"{url!r} is not a URL; write SCHEME://HOST:PORT with scheme "
+            f"{', '.join(SERVER_SCHEMES)}, e.g. {hint}"
+        )
+    scheme_text, _, rest = url.partition("://")
+    scheme = scheme_text.lower()  # as urlsplit reads it
+    if scheme not in SERVER_SCHEMES:
+        return (
+            f"{url!r}: the scheme {scheme_text!r} is not one the agent speaks; use http (HTTP/2 "
+            "cleartext), https (HTTP/2 over TLS), ws or wss (WebSocket, for proxies without HTTP/2)"
+        )
+    host_port = re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")[2]
+    if host_port.startswith("["):
+        if "]" not in host_port:
+            return f"{url!r}: the '[' of an IPv6 host is never closed; write e.g. 'http://[::1]:7070'"
+        host, _, rest = host_port[1:].partition("]")
+        port = rest.removeprefix(":") if rest.startswith(":") else None
+        if rest and port is None:
+            return f"{url!r}: expected ':PORT' after the bracketed IPv6 host, got {rest!r}"
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return f"{url!r}: {host!r} in brackets is not an IPv6 address"
+    else:
+        host, sep, port_text = host_port.rpartition(":")
+        host, port = (host, port_text) if sep else (host_port, None)
+        if not host:
+            return f"{url!r} has no host; name the control plane, e.g. {example}"
+        if not _HOST_NAME.fullmatch(host):
+            return f"{url!r}: {host!r} is neither an IP address nor a host name"
+    if port is not None:
+        default = 443 if scheme in ("https", "wss") else 80
+        if not port:
+            return f"{url!r} ends its host with ':' but gives no port; add one (1-65535) or drop the ':'"
+        if not port.isdigit():
+            return (
+                f"{url!r}: the port {port!r} is not a number; give 1-65535, or leave out ':' "
+                f"for the scheme's default ({default})"
+            )
+        if not 1 <= int(port) <= 65535:
+            return f"{url!r}: port {int(port)} is out of range; use 1-65535"
+    try:
+        urlsplit(url)  # what the transport parses it with; anything left that it refuses
+    except ValueError as exc:
+        return f"{url!r} is not a URL the agent can open: {exc}"
+    return ""
+
+
+def _server_url(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    problem = server_problem(value)
+    if problem:
+        raise FieldProblem((attribute.name,), f"{attribute.name} {problem}")
+
+
+def engine_problem(name: str) -> str:
+    """Why ``name`` is no engine the agent can run, with the closest known name; "" when it is one.
+
+    An ``[engines]`` entry under a misspelt name would otherwise be ignored without a word, and the
+    engine it meant to configure would run the default command."""
+    if name in ENGINES:
+        return ""
+    close = difflib.get_close_matches(name.lower(), list(ENGINES), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"unknown engine {name!r}; {hint}name one of the known engines ({', '.join(ENGINES)}) "
+        "or remove the entry"
+    )
+
+
+def _known_engines(_: object, attribute: attrs.Attribute[dict[str, str]], value: dict[str, str]) -> None:
+    for name in value:
+        problem = engine_problem(name)
+        if problem:
+            raise FieldProblem((attribute.name, name), f"{attribute.name}: {problem}")
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -68,7 +178,8 @@ class AgentConfig:
     """Everything the agent runs with; see the module docstring for where values come from."""
 
     node_id: str
-    server: str
+    #: The control plane's agent endpoint: ``http://``, ``https://``, ``ws://`` or ``wss://`` URL.
+    server: str = attrs.field(validator=_server_url)
     hostname: str = attrs.field(factory=socket.gethostname)
     #: Address the router and other nodes reach this node's engines on; empty: derived at start.
     mgmt_addr: str = ""
@@ -89,7 +200,7 @@ class AgentConfig:
     #: Engine log files; default ``state_dir/logs``.
     log_dir: Path | None = None
     #: Engine name -> command line (shell words), e.g. ``sglang = "python3 -m sglang.launch_server"``.
-    engines: dict[str, str] = attrs.field(factory=_default_engines)
+    engines: dict[str, str] = attrs.field(factory=_default_engines, validator=_known_engines)
     #: A static inventory file instead of NVML / nvidia-smi discovery.
     inventory: Path | None = None
     #: Seconds between SIGTERM and SIGKILL when stopping an engine.
@@ -109,8 +220,6 @@ class AgentConfig:
     def __attrs_post_init__(self) -> None:
         if not self.node_id.strip():
             raise ValueError("node_id must not be empty")
-        if not re.match(r"^(https?|wss?)://[^/]+", self.server):
-            raise ValueError(f"server must be an http://, https://, ws:// or wss:// URL, got {self.server!r}")
         if self.reconnect_base > self.reconnect_max:
             raise ValueError(
                 f"reconnect_base ({self.reconnect_base}) must not exceed reconnect_max ({self.reconnect_max})"
@@ -239,7 +348,8 @@ def _field_names() -> list[str]:
 
 @attrs.frozen
 class Layered:
-    """The merged raw values and, per top-level key, where each came from."""
+    """The merged raw values and, per top-level key, where each came from; a file's tables also
+    give each entry's own line (``engines.vlm``), so a bad entry is reported where it is written."""
 
     values: dict[str, Any]
     sources: dict[str, str]
@@ -261,10 +371,31 @@ def _from_file(path: Path) -> Layered:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     sources = {}
-    for key in data:
+    for key, value in data.items():
         line = _toml_line(text, key)
         sources[key] = f"{path} line {line}" if line else str(path)
+        if line and isinstance(value, dict):
+            for sub in value:
+                sub_line = _toml_entry_line(text, line, sub)
+                if sub_line:
+                    sources[f"{key}.{sub}"] = f"{path} line {sub_line}"
     return Layered(dict(data), sources)
+
+
+def _toml_entry_line(text: str, table_line: int, key: str) -> int | None:
+    """The line of ``key = ...`` inside the table that starts on ``table_line`` (a ``[table]``
+    header, or an inline ``table = { key = ... }`` on that line), before the next header."""
+    lines = text.splitlines()
+    entry = re.compile(
+        rf"(?:^|[{{,])[ \t]*(?:{re.escape(key)}|\"{re.escape(key)}\"|'{re.escape(key)}')[ \t]*="
+    )
+    for number in range(table_line, len(lines) + 1):
+        line = lines[number - 1]
+        if number > table_line and line.lstrip().startswith("["):
+            return None
+        if entry.search(line):
+            return number
+    return None
 
 
 def _text_value(key: str, text: str, source: str) -> Any:
@@ -298,8 +429,16 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line with status 2, like every other start-up mistake:
+    the agent's usage text is some twenty lines that would bury the one that says what is wrong."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="python -m agent",
         description="llmgw node agent: registers this node with the control plane and supervises engines.",
     )
@@ -326,6 +465,9 @@ def _merge(*layers: Layered) -> Layered:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for layer in layers:
+        # A layer replaces a key's whole value, so the lines of an earlier layer's entries go too.
+        for key in layer.values:
+            sources = {k: v for k, v in sources.items() if not k.startswith(f"{key}.")}
         values.update(layer.values)
         sources.update(layer.sources)
     return Layered(values, sources)
@@ -370,10 +512,30 @@ def _converter() -> cattrs.Converter:
     return conv
 
 
+def _field_problems(exc: BaseException) -> list[FieldProblem]:
+    """The :class:`FieldProblem` leaves of a cattrs error tree (validators run in ``__init__``)."""
+    if isinstance(exc, FieldProblem):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        return [p for sub in exc.exceptions for p in _field_problems(sub)]
+    return []
+
+
+def _describe_field(problem: FieldProblem, layered: Layered) -> str:
+    """``server 'x' is not a URL; ... (server from --server)``: the key, what is wrong, and the
+    most precise place its value came from (an ``[engines]`` entry's own line when it has one)."""
+    key = problem.path[0]
+    dotted = ".".join(problem.path)
+    source = layered.sources.get(dotted) or layered.sources.get(key)
+    return f"{problem} ({key} {f'from {source}' if source else 'default'})"
+
+
 def _describe(exc: BaseException, layered: Layered) -> list[str]:
-    problems: list[str] = []
+    problems = [_describe_field(p, layered) for p in _field_problems(exc)]
 
     def explain(err: BaseException, type_: Any) -> str:
+        if isinstance(err, FieldProblem):
+            return ""  # described above, with its key
         # A validator's own words say more than cattrs' generic "invalid value".
         if (
             isinstance(err, ValueError)
@@ -388,6 +550,8 @@ def _describe(exc: BaseException, layered: Layered) -> list[str]:
     for message in cattrs.transform_error(exc, path="$", format_exception=explain):
         # "invalid value for type, expected float @ $.heartbeat_interval"
         text, _, path = message.rpartition(" @ ")
+        if not text:
+            continue
         key_path = path.removeprefix("$.").removeprefix("$")
         top = re.split(r"[.\[]", key_path, maxsplit=1)[0] if key_path else ""
         if text.startswith("extra fields found"):
@@ -444,10 +608,16 @@ def load_with_sources(
     except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
         if isinstance(exc, cattrs.BaseValidationError):
             problems = _describe(exc, layered)
+        elif isinstance(exc, FieldProblem):
+            problems = [_describe_field(exc, layered)]
         else:
             text = str(exc)
             named = [k for k in _field_names() if re.search(rf"\b{k}\b", text)]
             problems = [
                 f"{text} ({'; '.join(f'{k} {_where(k, layered)}' for k in named)})" if named else text
             ]
-        raise ConfigError("invalid agent configuration:\n  " + "\n  ".join(problems)) from exc
+        # As the control plane's: one problem is one line; several are one line each under a heading.
+        if len(problems) == 1:
+            raise ConfigError(problems[0]) from exc
+        heading = f"{len(problems)} problems in the agent configuration:"
+        raise ConfigError("\n  ".join([heading, *problems])) from exc

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError, load
+from agent.config import ConfigError, load, server_problem
 from agent.discovery.model import FabricAttachment
 from agent.nursery import backoff_delay
 
@@ -94,3 +94,73 @@ def test_backoff_is_jittered_capped_and_spread() -> None:
     # A fleet of 1,000 agents on their 6th attempt does not arrive at one instant.
     fleet = sorted(backoff_delay(5, 1.0, 30.0, rng.random()) for _ in range(1000))
     assert fleet[0] >= 15.0 and fleet[-1] <= 30.0 and fleet[-1] - fleet[0] > 10.0
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        "http://cp:7070",
+        "https://cp.example",
+        "ws://[::1]:80/agent",
+        "wss://gpu_gw.internal:443",
+        "HTTP://cp:1",
+    ],
+)
+def test_server_urls_the_transport_opens_are_accepted(server: str) -> None:
+    assert server_problem(server) == ""
+    assert load(["--node-id", "n", "--server", server], {}).server == server
+
+
+@pytest.mark.parametrize(
+    ("server", "problem"),
+    [
+        (
+            "cp:7070",
+            "'cp:7070' is not a URL; write SCHEME://HOST:PORT with scheme http, https, ws, wss, "
+            "e.g. 'http://cp:7070'",
+        ),
+        ("http://cp:0", "port 0 is out of range; use 1-65535"),
+        ("http://cp:", "gives no port; add one (1-65535) or drop the ':'"),
+        ("http://[::1", "the '[' of an IPv6 host is never closed"),
+        ("http://[cp]:7070", "'cp' in brackets is not an IPv6 address"),
+        ("http://c p:7070", "'c p' is neither an IP address nor a host name"),
+    ],
+)
+def test_server_url_problems_say_what_to_write(server: str, problem: str) -> None:
+    assert problem in server_problem(server)
+    with pytest.raises(ConfigError) as info:
+        load(["--node-id", "n"], {"LLMGW_AGENT_SERVER": server})
+    assert str(info.value) == f"server {server_problem(server)} (server from LLMGW_AGENT_SERVER)"
+
+
+def test_one_problem_is_one_line_several_are_listed_under_a_heading() -> None:
+    with pytest.raises(ConfigError) as info:
+        load([*BASE, "--protocol", "grpx"], {})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load([*BASE, "--protocol", "grpx", "--heartbeat-interval", "soon"], {})
+    assert str(info.value).splitlines() == [
+        "2 problems in the agent configuration:",
+        "  heartbeat_interval: invalid value for type, expected float (from --heartbeat-interval)",
+        "  protocol: expected one of grpc, connect (from --protocol)",
+    ]
+
+
+def test_an_engine_entry_is_reported_at_its_own_line_unless_a_flag_replaced_the_table(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, 'node_id = "n"\nserver = "http://cp:1"\n[engines]\nsim = "x"\n"llama.cpp" = "y"\n')
+    with pytest.raises(ConfigError) as info:
+        load(["--config", str(path)], {})
+    assert str(info.value) == (
+        "engines: unknown engine 'llama.cpp'; did you mean 'llamacpp'? name one of the known engines "
+        f"(vllm, sglang, llamacpp, trtllm, sim) or remove the entry (engines from {path} line 5)"
+    )
+    with pytest.raises(ConfigError, match=r"unknown engine 'trtlm'.*\(engines from --engines\)$"):
+        load(["--config", str(path), "--engines", "trtlm=x"], {})
+    inline = write(tmp_path, 'node_id = "n"\nserver = "http://cp:1"\nengines = { vllm = "v", slang = "s" }\n')
+    with pytest.raises(
+        ConfigError, match=rf"'slang'; did you mean 'sglang'.*\(engines from {inline} line 3\)"
+    ):
+        load(["--config", str(inline)], {})
+    assert load(["--config", str(path), "--engines", "sim=z"], {}).engines == {"sim": "z"}
