@@ -606,6 +606,8 @@ class ControlPlane:
             self.routes,
             api_keys=frozenset(self.config.api_keys),
             relay_coalesce_us=self.config.router_coalesce_us,
+            response_timeout=self.config.router_response_timeout,
+            stream_idle_timeout=self.config.router_stream_idle_timeout,
         )
         if not self.config.runs_control_plane:
             # A catalog of static endpoints only: a router-only run, no agents, no reconciler.
