@@ -84,7 +84,9 @@ class Session:
         register = self._message(register=self.register)
         self._register_id = register.message_id
         # Shards already in Register are known to the control plane: watchers start from their version.
-        seen = {s.shard_id: s.version for s in self.supervisor.shards.values()}
+        # Keyed by the Shard object, not its id: a shard started again later in this session is a new
+        # object under the same id whose versions start again at 0, and must be reported from there.
+        seen = {s: s.version for s in self.supervisor.shards.values()}
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._guard, self._send_loop, nursery)
             await self._outbox_send.send(register)
@@ -144,7 +146,7 @@ class Session:
             await self._post(heartbeat=beat)
             await trio.sleep(self.heartbeat_interval)
 
-    async def _watch_shards(self, seen: dict[str, int]) -> None:
+    async def _watch_shards(self, seen: dict[Shard, int]) -> None:
         """Start a watcher for every shard the supervisor has, now and as new ones appear."""
         async with trio.open_nursery() as watchers:
             while True:
@@ -154,7 +156,7 @@ class Session:
                     if id(shard) not in self._watched:
                         self._watched.add(id(shard))
                         # A shard born after Register has not been reported at all yet.
-                        watchers.start_soon(self._watch_one, shard, seen.get(shard.shard_id, -1))
+                        watchers.start_soon(self._watch_one, shard, seen.pop(shard, -1))
                 await changed.wait()
 
     async def _watch_one(self, shard: Shard, seen_version: int) -> None:

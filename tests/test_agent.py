@@ -240,6 +240,14 @@ def test_control_plane_outage_reconnects_while_engine_serves(cp: GrpcioControlPl
     log = agent.log.read_text()
     assert "reconnecting in" in log
 
+    # A shard listed in this session's Register and then started again on the same stream is a new
+    # engine whose states count from the start: every one of them reaches the control plane.
+    node2.send(stop=schema.StopShard(shard_id="steady-r0-s0", grace_seconds=5))
+    wait_for("steady-r0-s0 STOPPED", lambda: state_of(node2, "steady-r0-s0", State.STOPPED))
+    node2.send(start=start_spec("steady-r0-s0", port))
+    again = wait_for("steady-r0-s0 READY again", lambda: state_of(node2, "steady-r0-s0", State.READY))
+    assert again.pid != pid and pid_alive(again.pid)
+
 
 def test_node_without_nvidia_tooling_registers_with_the_reason(
     cp: GrpcioControlPlane, tmp_path: Path
