@@ -43,7 +43,7 @@
     selector = { zone = "a" }
     [models.gpus]
     count = 4
-    min_memory_gib = 80
+    min_memory_gib = 79            # an "80GB" H100 reports 81559 MiB: 79.6 GiB
     min_compute_capability = "8.0"
     [models.profile]
     engine = "vllm"
