@@ -33,7 +33,7 @@ from agent.engines import LaunchContext
 from agent.session import Session, SessionResult
 from agent.supervise import LivenessProbe, Supervisor
 from agent.supervise.supervisor import TEST_KILL_AT_ENV
-from agent.transport import ClientTLS, StreamOptions, TransportError, open_stream
+from agent.transport import ClientTLS, GoAwayReceived, StreamOptions, TransportError, open_stream
 
 log = logging.getLogger("llmgw.agent")
 
@@ -184,6 +184,7 @@ async def run_agent(
                     result = await session.run()
             except (TransportError, OSError, trio.TooSlowError) as exc:
                 result.reason = f"{type(exc).__name__}: {exc}"
+                result.graceful = isinstance(exc, GoAwayReceived) and exc.graceful
             except Exception as exc:
                 # A daemon that must run for months: an unexpected failure of one session is logged
                 # and retried like any other; the engines and the supervisor are not affected.
@@ -193,7 +194,8 @@ async def run_agent(
                 attempt = 0
             delay = backoff_delay(attempt, config.reconnect_base, config.reconnect_max, rng.random())
             attempt += 1
-            log.warning(
+            log.log(
+                logging.INFO if result.graceful else logging.WARNING,
                 "session with %s ended (%s); reconnecting in %.1f s",
                 config.server,
                 result.reason or "?",

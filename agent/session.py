@@ -28,7 +28,7 @@ import schema
 from agent.discovery.model import GpuUsage
 from agent.engines import ProfileRefused
 from agent.supervise import Shard, Supervisor
-from agent.transport import AgentStream, RpcError, TransportError
+from agent.transport import AgentStream, GoAwayReceived, RpcError, TransportError
 
 log = logging.getLogger("llmgw.agent.session")
 
@@ -46,6 +46,9 @@ class SessionResult:
 
     registered: bool = False
     reason: str = ""
+    #: The control plane said goodbye (GOAWAY with NO_ERROR: it is shutting down or restarting), an
+    #: expected end that is logged as information, not as a warning.
+    graceful: bool = False
 
 
 class Session:
@@ -110,7 +113,9 @@ class Session:
             await loop()
             self.result.reason = self.result.reason or "the control plane ended the stream"
         except (TransportError, RpcError) as exc:
-            self.result.reason = self.result.reason or f"{type(exc).__name__}: {exc}"
+            if not self.result.reason:
+                self.result.reason = f"{type(exc).__name__}: {exc}"
+                self.result.graceful = isinstance(exc, GoAwayReceived) and exc.graceful
         except RegisterRefused as exc:
             self.result.reason = f"Register refused: {exc}"
         nursery.cancel_scope.cancel()

@@ -132,6 +132,8 @@ def test_sigterm_says_goaway_saves_state_exits_0_and_agents_come_back(pair: Pair
     agent_text = agent.log.read_bytes()[agent_log_at:].decode()
     _no_fault_lines(agent_text, "agent")
     assert "GoAwayReceived: peer sent GOAWAY (NO_ERROR" in agent_text, agent_text
+    # A goodbye is expected, not a fault: the session's end is information.
+    assert re.search(r" INFO llmgw\.agent: session with \S+ ended \(GoAwayReceived", agent_text), agent_text
 
     # A new control plane on the same port: the agent registers with it, and the engine that kept
     # serving is adopted, not started again.
