@@ -226,10 +226,17 @@ BIG = "big-{tag}"
 
 
 def catalog(
-    tag: str, state_dir: Path, extra: str = "", chat_extra: str = "", chat_load_seconds: float = 0.3
+    tag: str,
+    state_dir: Path,
+    extra: str = "",
+    chat_extra: str = "",
+    chat_load_seconds: float = 0.3,
+    top: str = "",
 ) -> str:
+    """The test catalog; ``top`` adds top-level keys, ``extra`` lines under ``[liveness]`` or tables."""
     return f"""
 state_dir = "{state_dir}"
+{top}
 reconcile_interval = 0.3
 backoff_initial = 0.5
 stop_grace = 3
@@ -287,10 +294,11 @@ class Fleet:
         extra: str = "",
         chat_extra: str = "",
         chat_load_seconds: float = 0.3,
+        top: str = "",
     ) -> None:
         self.tag = tag
         self.cp = ControlProcess(
-            tmp / "cp", catalog(tag, tmp / "cp" / "state", extra, chat_extra, chat_load_seconds)
+            tmp / "cp", catalog(tag, tmp / "cp" / "state", extra, chat_extra, chat_load_seconds, top)
         )
         self.layout = layout
         self.tmp = tmp
