@@ -216,6 +216,11 @@ class AgentConfig:
     liveness_period: float = attrs.field(default=10.0, validator=_positive)
     liveness_timeout: float = attrs.field(default=5.0, validator=_positive)
     liveness_failures: int = attrs.field(default=3, validator=_at_least_one)
+    #: Readiness trusts only the engine the agent started: the socket listening on the shard's port
+    #: must belong to the engine's process group. Turn off only for engines launched through a
+    #: container runtime (``docker run -p ...`` as the engine's command), whose published port is held
+    #: by the runtime's proxy, not by a process the agent started.
+    verify_listener: bool = True
 
     def __attrs_post_init__(self) -> None:
         if not self.node_id.strip():
@@ -334,7 +339,16 @@ def _parse_engines(text: str) -> dict[str, str]:
     return out
 
 
+def _parse_bool(text: str) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    try:
+        return words[text.strip().lower()]
+    except KeyError:
+        raise ValueError(f"expected true or false, got {text!r}") from None
+
+
 _TEXT_PARSERS = {
+    "verify_listener": _parse_bool,
     "labels": _parse_labels,
     "fabrics": _parse_fabrics,
     "engine_ports": _parse_ports,
@@ -494,6 +508,11 @@ def _converter() -> cattrs.Converter:
             raise ValueError(f"expected an integer, got {value!r}")
         return int(value)
 
+    def structure_bool(value: Any, _: type) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+
     def structure_str(value: Any, _: type) -> str:
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {value!r}")
@@ -503,6 +522,7 @@ def _converter() -> cattrs.Converter:
     conv.register_structure_hook(float, structure_float)
     conv.register_structure_hook(int, structure_int)
     conv.register_structure_hook(str, structure_str)
+    conv.register_structure_hook(bool, structure_bool)
     conv.register_structure_hook(
         AgentConfig,
         make_dict_structure_fn(

@@ -160,6 +160,7 @@ async def run_agent(
             timeout=config.liveness_timeout,
             failures=config.liveness_failures,
         ),
+        verify_listener=config.verify_listener,
         # A test hook (see Supervisor): makes the agent kill itself at a named point of a start.
         test_kill_at=os.environ.get(TEST_KILL_AT_ENV, ""),
     )

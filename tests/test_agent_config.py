@@ -164,3 +164,17 @@ def test_an_engine_entry_is_reported_at_its_own_line_unless_a_flag_replaced_the_
     ):
         load(["--config", str(inline)], {})
     assert load(["--config", str(path), "--engines", "sim=z"], {}).engines == {"sim": "z"}
+
+
+def test_verify_listener_is_on_by_default_and_a_boolean_everywhere(tmp_path: Path) -> None:
+    assert load(BASE, {}).verify_listener is True
+    assert load([*BASE, "--verify-listener", "false"], {}).verify_listener is False
+    assert load(BASE, {"LLMGW_AGENT_VERIFY_LISTENER": "no"}).verify_listener is False
+    path = write(tmp_path, "verify_listener = false\n")
+    assert load(["--config", str(path), *BASE], {}).verify_listener is False
+    with pytest.raises(ConfigError) as err:
+        load([*BASE, "--verify-listener", "maybe"], {})
+    assert "verify_listener (from --verify-listener): expected true or false, got 'maybe'" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load(["--config", str(write(tmp_path, 'verify_listener = "off"\n')), *BASE], {})
+    assert "verify_listener" in str(err.value) and "true or false" in str(err.value)
