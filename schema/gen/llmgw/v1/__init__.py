@@ -8,6 +8,7 @@ __all__ = (
     "AgentMessage",
     "ControlMessage",
     "DrainShard",
+    "EngineInstall",
     "EngineProfile",
     "FabricAttachment",
     "Gpu",
@@ -183,6 +184,28 @@ default_message_pool.register_message("llmgw.v1", "DrainShard", DrainShard)
 
 
 @dataclass(eq=False, repr=False)
+class EngineInstall(betterproto2.Message):
+    engine: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    vllm | sglang | llamacpp | trtllm | sim
+    """
+
+    version: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    The installed version, e.g. "0.18.0" (llama.cpp: its build number, e.g. "b6432"); empty when
+    not found.
+    """
+
+    error: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Why the version is unknown (the binary is missing, its version command failed); empty when found.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "EngineInstall", EngineInstall)
+
+
+@dataclass(eq=False, repr=False)
 class EngineProfile(betterproto2.Message):
     engine: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
     """
@@ -228,6 +251,12 @@ class EngineProfile(betterproto2.Message):
     params_billions: "float" = betterproto2.field(12, betterproto2.TYPE_DOUBLE)
     """
     Parameter count in billions, when known: enables the memory-fit estimate before launch.
+    """
+
+    engine_version: "str" = betterproto2.field(13, betterproto2.TYPE_STRING)
+    """
+    A constraint on the engine version a node must have installed, e.g. ">=0.18" or ">=0.18,<0.34"
+    (PEP 440 specifiers); empty: any. Placement honours it and explains a node that fails it.
     """
 
 
@@ -414,6 +443,14 @@ class Register(betterproto2.Message):
     Optional per-node token, for control planes that do not use mutual TLS.
     """
 
+    engines: "list[EngineInstall]" = betterproto2.field(
+        17, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    Every engine the agent is configured to run, with the version installed on this node (found at
+    start from the engine's own version command or package metadata), or why it could not be found.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Register", Register)
 
@@ -493,6 +530,13 @@ class StartShard(betterproto2.Message):
     master_addr: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
 
     master_port: "int" = betterproto2.field(10, betterproto2.TYPE_UINT32)
+
+    api_key: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    A secret for this shard, chosen by the control plane: the agent passes it to the engine's own
+    API-key option (vLLM/SGLang/llama.cpp --api-key), and the router sends it upstream, so only the
+    router can use the engine. Empty: the engine takes no key. Never logged.
+    """
 
 
 default_message_pool.register_message("llmgw.v1", "StartShard", StartShard)
