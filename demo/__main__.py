@@ -188,9 +188,11 @@ class Demo:
         self.agent_port = free_port()
         self.router_port = router_port or free_port()
 
-    def spawn(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         self.procs.append(proc)
         return proc
 
@@ -214,6 +216,12 @@ class Demo:
         say(
             f"control plane up: agents on :{self.agent_port}, admin API on :{self.api_port}, router on :{self.router_port}"
         )
+        # The agents join with the cluster's join token, which the control plane created in its
+        # state directory (`ctl token` prints it); passed in the environment, not on the command line.
+        token_file = self.workdir / "control-state" / "join-token"
+        env = {**os.environ}
+        if token_file.exists():
+            env["LLMGW_AGENT_TOKEN"] = token_file.read_text().strip()
         for node_id, addr, inv, fabric, ports in self.setup.nodes:
             node_dir = self.workdir / node_id
             node_dir.mkdir()
@@ -228,6 +236,7 @@ class Demo:
                     "--engines", self.setup.engines,
                 ],
                 node_dir / "agent.log",
+                env,
             )  # fmt: skip
             say(f"agent {node_id} started ({addr}, inventory: {inv.count('[[gpus]]')} GPUs)")
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,13 @@ import httpx
 from tests.grpcio_cp import wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+#: The join-token file of each control plane a test started, by its agent port: an ``Agent`` pointed
+#: at that port joins with it (``LLMGW_AGENT_TOKEN``), the way an operator passes ``--token``.
+JOIN_TOKENS: dict[int, Path] = {}
+
+#: Where the control plane keeps its join token, in its state directory (``control.joins``).
+JOIN_TOKEN_FILE = "join-token"
 
 
 def free_port() -> int:
@@ -75,6 +83,18 @@ class ControlProcess:
             return None
 
         self.agent_port, self.api_port = wait_for("the control plane to listen", ready)
+        JOIN_TOKENS[self.agent_port] = self.state_dir() / JOIN_TOKEN_FILE
+
+    def state_dir(self) -> Path:
+        """The ``state_dir`` of this control plane's config."""
+        return Path(tomllib.loads(self.config.read_text())["state_dir"])
+
+    def join_token(self) -> str:
+        """The cluster join token this control plane created at its first start ("" without one)."""
+        try:
+            return (self.state_dir() / JOIN_TOKEN_FILE).read_text().strip()
+        except FileNotFoundError:
+            return ""
 
     def api(self, path: str, method: str = "GET") -> Any:
         resp = httpx.request(method, f"http://127.0.0.1:{self.api_port}{path}", timeout=15)
@@ -139,7 +159,12 @@ class Agent:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, env: Mapping[str, str] | None = None) -> None:
-        """Start the agent; ``env`` adds variables for this start only (a test hook, say)."""
+        """Start the agent; ``env`` adds variables for this start only (a test hook, say).
+
+        An agent pointed at a control plane this test started joins with its join token (in the
+        environment, as an operator would keep it out of ``ps``), unless the argv or ``env`` give one.
+        """
+        env = {**self._join_env(), **(env or {})}
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -148,6 +173,18 @@ class Agent:
                 start_new_session=True,
                 env={**os.environ, **env} if env else None,
             )
+
+    def _join_env(self) -> dict[str, str]:
+        if "--token" in self.argv:
+            return {}
+        server = self.argv[self.argv.index("--server") + 1]
+        m = re.search(r":(\d+)/?$", server)
+        path = JOIN_TOKENS.get(int(m.group(1))) if m else None
+        try:
+            token = path.read_text().strip() if path is not None else ""
+        except FileNotFoundError:
+            token = ""
+        return {"LLMGW_AGENT_TOKEN": token} if token else {}
 
     def kill9(self) -> None:
         assert self.proc is not None
