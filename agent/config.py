@@ -206,8 +206,14 @@ class AgentConfig:
     #: Seconds between SIGTERM and SIGKILL when stopping an engine.
     stop_grace: float = attrs.field(default=30.0, validator=_positive)
     engine_ports: PortRange = PortRange()
-    #: Interface address engines bind to.
-    engine_host: str = "0.0.0.0"
+    #: Address engines bind to; empty (the default): the node's management address (``mgmt_addr``,
+    #: or the one derived at start), so only the router and this agent can reach them, not every
+    #: network the node is on. ``0.0.0.0`` (every interface) is still allowed, explicitly.
+    engine_host: str = ""
+    #: An engine's log (``log_dir/SHARD.log``) is rotated once it grows past this many bytes,
+    #: keeping ``log_generations`` older files (``SHARD.log.1`` the newest); 0 keeps none.
+    log_max_bytes: int = attrs.field(default=50 * 1024 * 1024, validator=_at_least_one)
+    log_generations: int = attrs.field(default=3, validator=attrs.validators.ge(0))
     #: kubelet's liveness probe, for each READY engine: a ``GET /health`` every ``liveness_period``
     #: seconds, each given ``liveness_timeout`` seconds (a wedged engine must not hold the probe),
     #: and ``liveness_failures`` misses in a row make the shard UNHEALTHY (a pass makes it READY).

@@ -31,7 +31,7 @@ from agent.discovery import Inventory, NvmlSession
 from agent.discovery.model import GpuUsage
 from agent.engines import LaunchContext
 from agent.session import Session, SessionResult
-from agent.supervise import LivenessProbe, Supervisor
+from agent.supervise import LivenessProbe, Supervisor, probe_address
 from agent.supervise.supervisor import TEST_KILL_AT_ENV
 from agent.transport import ClientTLS, GoAwayReceived, StreamOptions, TransportError, open_stream
 
@@ -137,11 +137,14 @@ async def run_agent(
 ) -> None:
     """The whole agent: the supervisor service and the reconnect loop, until cancelled."""
     rng = rng or random.Random()
+    # Engines listen on the management address unless told otherwise: the router reaches them
+    # there, and nothing else the node is attached to needs to (each shard has its own key too).
+    engine_host = config.engine_host or await trio.to_thread.run_sync(mgmt_address, config)
 
     def launch_context(engine: str) -> LaunchContext:
         return LaunchContext(
             argv_prefix=config.engine_argv(engine),
-            host=config.engine_host,
+            host=engine_host,
             mgmt_interface=config.mgmt_interface,
             fabrics=config.fabrics,
             gpus=inventory.gpus,
@@ -155,6 +158,10 @@ async def run_agent(
         gpus=inventory.gpus,
         launch_context=launch_context,
         stop_grace=config.stop_grace,
+        probe_host=probe_address(engine_host),
+        log_max_bytes=config.log_max_bytes,
+        log_generations=config.log_generations,
+        secrets=(config.token,),
         liveness=LivenessProbe(
             period=config.liveness_period,
             timeout=config.liveness_timeout,

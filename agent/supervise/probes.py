@@ -36,6 +36,29 @@ IN_FLIGHT = re.compile(
 )
 
 
+def probe_address(engine_host: str) -> str:
+    """Where the agent reaches an engine bound to ``engine_host``: that address, or loopback for a
+    wildcard bind (every interface then includes loopback)."""
+    if engine_host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if engine_host in ("::", "[::]"):
+        return "::1"
+    return engine_host
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://HOST:PORT``, with an IPv6 literal in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    """The header an engine started with ``--api-key`` wants on its API (vLLM, SGLang, llama.cpp
+    and the sim check ``Authorization: Bearer``); none for an engine without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be greater than 0, got {value}")
@@ -143,8 +166,11 @@ __all__ = [
     "LivenessStep",
     "ReadyCheck",
     "Verdict",
+    "auth_headers",
+    "base_url",
     "check_live",
     "check_ready",
     "in_flight",
     "liveness_step",
+    "probe_address",
 ]

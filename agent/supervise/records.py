@@ -16,6 +16,12 @@ The record's file name *is* the shard id (``shards/ID.json``): ids are checked a
 ``schema.ids.SHARD_ID``, whose alphabet is safe for file names, so the map is one to one and no two
 shards can share a file. Every method blocks on the filesystem: the supervisor calls them from a
 worker thread.
+
+**The shard's key.** The spec carries the shard's API key (``StartShard.api_key``), and the record
+keeps it: an agent restarted while its engines run must probe them with it, and the control plane
+is not asked again. Record files are therefore created mode 0600 in a directory made 0700: the key
+is readable by the agent's own user only, who can read it from the engine's ``/proc/PID/environ``
+(the marker) and command line anyway.
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ class RecordStore:
         self.dir = state_dir / "shards"
 
     def create(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path(self, shard_id: str) -> Path:
         problem = shard_id_problem(shard_id)
@@ -115,7 +121,10 @@ class RecordStore:
         """Atomically and durably: once this returns, a crash at any instant leaves this record."""
         path = self.path(record.shard_id)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
+        # 0600 from the first byte (records hold the shard's key: see the module docstring).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # a leftover .tmp of another mode keeps its mode through O_CREAT
+        with open(fd, "w") as f:
             f.write(record.to_json())
             f.flush()
             os.fsync(f.fileno())

@@ -49,7 +49,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -59,11 +59,13 @@ import trio
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import Launch, LaunchContext, ProfileRefused, plan
-from agent.supervise import adopt, procfs
+from agent.supervise import adopt, logfiles, procfs
 from agent.supervise.probes import (
     IN_FLIGHT,
     LivenessProbe,
     Verdict,
+    auth_headers,
+    base_url,
     check_live,
     check_ready,
     in_flight,
@@ -80,6 +82,11 @@ TAIL_LINES = 20
 DEFAULT_READY_TIMEOUT = 900.0
 #: How long the one probe of each adopted engine may take before the supervisor reports started.
 ADOPT_PROBE_SECONDS = 3.0
+
+#: How often the running engines' log sizes are checked for rotation.
+LOG_CHECK_INTERVAL = 5.0
+#: The agent's own settings: never in an engine's environment (the token among them).
+AGENT_ENV_PREFIX = "LLMGW_AGENT_"
 
 #: The environment variable of the test hook below, and the points it may name.
 TEST_KILL_AT_ENV = "LLMGW_TEST_AGENT_KILL_AT"
@@ -116,6 +123,7 @@ class Shard:
     version: int = 0
     #: Set once the spawn has finished, either way; a concurrent ``start`` waits on it.
     spawned: trio.Event = attrs.field(factory=trio.Event)
+    _public_spec: schema.StartShard | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def shard_id(self) -> str:
@@ -124,6 +132,17 @@ class Shard:
     @property
     def live(self) -> bool:
         return self.state in LIVE_STATES
+
+    @property
+    def public_spec(self) -> schema.StartShard:
+        """The spec without the shard's key: what leaves the node in ShardStatus (the control plane
+        derives the key itself, and keeps Registers in its state file, which must not hold it)."""
+        if not self.spec.api_key:
+            return self.spec
+        if self._public_spec is None:
+            self._public_spec = schema.StartShard.parse(bytes(self.spec))
+            self._public_spec.api_key = ""
+        return self._public_spec
 
     def status(self, node_id: str) -> schema.ShardStatus:
         return schema.ShardStatus(
@@ -136,7 +155,7 @@ class Shard:
             output_tail=list(self.output_tail),
             http_port=self.spec.http_port,
             pid=self.pid,
-            spec=self.spec,
+            spec=self.public_spec,
         )
 
 
@@ -154,21 +173,34 @@ class Spawned:
     log_path: Path
 
 
-def tail(path: Path | None, n: int = TAIL_LINES) -> list[str]:
-    """The last ``n`` lines of a log file (reads at most the last 256 KiB). Blocks: call it from a
-    worker thread."""
-    if path is None or n <= 0:
-        return []
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 256 * 1024))
-            data = f.read()
-    except OSError:
-        return []
-    lines = data.decode("utf-8", "replace").splitlines()
-    return lines[-n:]
+def tail(
+    path: Path | None, n: int = TAIL_LINES, *, generations: int = 1, redact: Iterable[str] = ()
+) -> list[str]:
+    """The last ``n`` lines of a log file, across a rotation (``logfiles.tail``). Blocks: call it
+    from a worker thread."""
+    return logfiles.tail(path, n, generations=generations, redact=redact)
+
+
+def engine_environment(
+    base: Mapping[str, str], ours: Mapping[str, str], secrets: Iterable[str] = ()
+) -> dict[str, str]:
+    """An engine's environment: ``base`` (the agent's) without the agent's own settings
+    (``LLMGW_AGENT_*``, the token among them), without any variable whose value is one of the
+    agent's ``secrets`` (however it was named), and without the test hook; then ``ours`` on top."""
+    hidden = {s for s in secrets if s}
+    env = {
+        k: v
+        for k, v in base.items()
+        if not k.startswith(AGENT_ENV_PREFIX) and k != TEST_KILL_AT_ENV and v not in hidden
+    }
+    env.update(ours)
+    return env
+
+
+def redact_argv(argv: Sequence[str], secret: str) -> str:
+    """A command line for the log with ``secret`` (the shard's key) shown as ``***``."""
+    text = " ".join(argv)
+    return text.replace(secret, logfiles.REDACTED) if secret else text
 
 
 def _describe_exit(code: int) -> tuple[int, str]:
@@ -198,11 +230,18 @@ class Supervisor:
         probe_host: str = "127.0.0.1",
         liveness: LivenessProbe | None = None,
         verify_listener: bool = True,
+        log_max_bytes: int = 50 * 1024 * 1024,
+        log_generations: int = 3,
+        log_check_interval: float = LOG_CHECK_INTERVAL,
+        secrets: Iterable[str] = (),
         test_kill_at: str = "",
     ) -> None:
         """``test_kill_at`` is a test hook, never set in production: ``after-intent`` or
         ``after-spawn`` makes the agent SIGKILL itself at that point of the next start, which is
-        how the tests reach the window between fork and record deterministically."""
+        how the tests reach the window between fork and record deterministically.
+
+        ``secrets`` are the agent's own (its token): no engine's environment carries them, under
+        any name."""
         if test_kill_at and test_kill_at not in TEST_KILL_POINTS:
             raise ValueError(
                 f"{TEST_KILL_AT_ENV}={test_kill_at!r}: expected one of {', '.join(TEST_KILL_POINTS)}"
@@ -217,6 +256,10 @@ class Supervisor:
         self.liveness = liveness or LivenessProbe()
         self.test_kill_at = test_kill_at
         self.log_dir = log_dir
+        self.log_max_bytes = log_max_bytes
+        self.log_generations = log_generations
+        self.log_check_interval = log_check_interval
+        self.secrets = tuple(s for s in secrets if s)
         #: The marker value that makes an engine this agent's: its state directory, absolute.
         self.owner = os.path.abspath(state_dir)
         self.records = RecordStore(state_dir)
@@ -234,6 +277,7 @@ class Supervisor:
             self._nursery = nursery
             await trio.to_thread.run_sync(self._create_dirs)
             await self._adopt_all()
+            nursery.start_soon(self._rotate_logs)
             task_status.started(self)
             await trio.sleep_forever()
 
@@ -281,7 +325,7 @@ class Supervisor:
                         f"engine pid {record.pid} recorded before the agent restarted is gone "
                         "(no process with that pid and start time); not restarted"
                     ),
-                    output_tail=await trio.to_thread.run_sync(tail, shard.log_path),
+                    output_tail=await trio.to_thread.run_sync(self._tail, shard),
                 )
             elif isinstance(decision, adopt.Drop):
                 log.warning("shard record %s dropped: %s", decision.loaded.path, decision.why)
@@ -347,6 +391,29 @@ class Supervisor:
             )
         log.info("adopted %s: engine pid %d still running", decision.shard_id, decision.pid)
         return shard
+
+    def _tail(self, shard: Shard) -> list[str]:
+        """The failure tail of a shard's log (across a rotation, its key hidden); blocks."""
+        return tail(
+            shard.log_path, TAIL_LINES, generations=self.log_generations, redact=(shard.spec.api_key,)
+        )
+
+    async def _rotate_logs(self) -> None:
+        """Every ``log_check_interval``, rotate the logs of running engines that grew past
+        ``log_max_bytes`` (``logfiles.rotate``: copy, then truncate), in a worker thread."""
+        while True:
+            await trio.sleep(self.log_check_interval)
+            paths = [s.log_path for s in self.shards.values() if s.running and s.log_path is not None]
+            if paths:
+                await trio.to_thread.run_sync(self._rotate_paths, paths)
+
+    def _rotate_paths(self, paths: Sequence[Path]) -> None:
+        for path in paths:
+            try:
+                if logfiles.rotate(path, self.log_max_bytes, self.log_generations):
+                    log.info("rotated %s (over %d bytes)", path, self.log_max_bytes)
+            except OSError as exc:
+                log.warning("cannot rotate %s: %s", path, exc.strerror or exc)
 
     def _drop(self, decision: adopt.Drop) -> None:
         if decision.set_aside:
@@ -505,14 +572,21 @@ class Supervisor:
         self._test_hook("after-intent")
         command = launch.command
         # Ours last: a profile's env must not be able to disown or misname the engine.
-        env = {**os.environ, **command.env, **procfs.marker_env(spec.shard_id, self.owner, spec)}
-        env.pop(TEST_KILL_AT_ENV, None)
+        env = engine_environment(
+            os.environ,
+            {**command.env, **procfs.marker_env(spec.shard_id, self.owner, spec)},
+            self.secrets,
+        )
+        try:
+            # A crash-looping engine appends a start line and its output per attempt: rotate here too.
+            logfiles.rotate(log_path, self.log_max_bytes, self.log_generations)
+        except OSError as exc:
+            log.warning("cannot rotate %s: %s", log_path, exc.strerror or exc)
         try:
             with open(log_path, "ab") as logf:
                 stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-                logf.write(
-                    f"=== llmgw {stamp}: starting {spec.shard_id}: {' '.join(command.argv)}\n".encode()
-                )
+                argv = redact_argv(command.argv, spec.api_key)
+                logf.write(f"=== llmgw {stamp}: starting {spec.shard_id}: {argv}\n".encode())
                 logf.flush()
                 proc = subprocess.Popen(
                     command.argv,
@@ -580,7 +654,10 @@ class Supervisor:
                 path = candidate
         if shard is None and path is None:
             raise KeyError(f"no shard {shard_id!r} on this node")
-        return await trio.to_thread.run_sync(tail, path, lines)
+        secrets = (shard.spec.api_key,) if shard is not None else ()
+        return await trio.to_thread.run_sync(
+            lambda: tail(path, lines, generations=self.log_generations, redact=secrets)
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -595,7 +672,7 @@ class Supervisor:
             code = await self._wait_exit(shard)
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.records.remove, shard.shard_id)
-        output = await trio.to_thread.run_sync(tail, shard.log_path)
+        output = await trio.to_thread.run_sync(self._tail, shard)
         shard.running = False
         if code is None:
             exit_code, how = None, "exited (exit code unknown: the process was adopted, not our child)"
@@ -642,8 +719,14 @@ class Supervisor:
                 os.close(fd)
 
     def _client(self, shard: Shard, timeout: float) -> httpx.AsyncClient:
-        base = f"http://{self.probe_host}:{shard.spec.http_port}"
-        return httpx.AsyncClient(base_url=base, timeout=timeout)
+        """A client for the engine's own address, carrying the shard's key: the probes and the
+        drain's ``/metrics`` reads are asked with it like any request (an engine may guard more
+        than ``/v1``)."""
+        return httpx.AsyncClient(
+            base_url=base_url(self.probe_host, shard.spec.http_port),
+            headers=auth_headers(shard.spec.api_key),
+            timeout=timeout,
+        )
 
     async def _check_ready(self, client: httpx.AsyncClient, shard: Shard) -> tuple[Verdict, str]:
         """One readiness check, then whether the answer came from this engine's own socket."""
@@ -700,7 +783,7 @@ class Supervisor:
         self._nursery.start_soon(self._kill_after, shard, self.stop_grace)
 
     async def _tail_into(self, shard: Shard) -> None:
-        output = await trio.to_thread.run_sync(tail, shard.log_path)
+        output = await trio.to_thread.run_sync(self._tail, shard)
         if shard.state is State.FAILED and not shard.output_tail:
             self._set(shard, State.FAILED, output_tail=output)
 
@@ -764,10 +847,9 @@ class Supervisor:
             self._begin_stop(shard, deadline or self.stop_grace)
             return
         end = trio.current_time() + deadline
-        url = f"http://{self.probe_host}:{shard.spec.http_port}/metrics"
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        async with self._client(shard, timeout=2.0) as client:
             while trio.current_time() < end and shard.state is State.DRAINING:
-                if await in_flight(client, url) == 0:
+                if await in_flight(client, "/metrics") == 0:
                     break
                 await trio.sleep(min(self.poll_interval, max(end - trio.current_time(), 0)))
         if shard.state is State.DRAINING:
@@ -784,4 +866,13 @@ def _killpg_while_alive(pidfd: int, pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-__all__ = ["LIVE_STATES", "LaunchFailed", "LivenessProbe", "Shard", "Supervisor", "tail"]
+__all__ = [
+    "LIVE_STATES",
+    "LaunchFailed",
+    "LivenessProbe",
+    "Shard",
+    "Supervisor",
+    "engine_environment",
+    "redact_argv",
+    "tail",
+]
