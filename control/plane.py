@@ -8,16 +8,27 @@ knew (their last Register) and the placements. A restarted control plane therefo
 node as unreachable-until-it-re-registers with ``startup_grace`` before it may be declared lost, keeps
 every placement (an unreachable node keeps its placements), and so starts nothing twice. Even without
 that file, shards that registering agents report are adopted into placements rather than started anew.
+
+**Only the router reaches the engines.** Each shard gets its own API key (``StartShard.api_key``),
+which the agent passes to the engine's own key option and the embedded router sends upstream. The
+key is HMAC-SHA256 of the shard id under a cluster secret kept in ``state_dir/shard-key-secret``
+(mode 0600, made on first start): a restarted control plane derives the same keys for the engines
+that kept running, and no key is ever written down, in ``control-state.json`` or anywhere else.
+trtllm-serve has no key option, so its shards get none.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -44,6 +55,51 @@ from control.transport import ServerLimits, ServerTLS, StreamServer
 
 log = logging.getLogger("llmgw.control")
 State = schema.ShardState
+
+#: The cluster secret the shards' keys are derived from, in ``state_dir``.
+SHARD_KEY_SECRET = "shard-key-secret"
+#: Engines with no API-key option of their own (trtllm-serve): their shards are sent no key.
+KEYLESS_ENGINES = frozenset({"trtllm"})
+
+
+def load_shard_key_secret(state_dir: Path) -> bytes:
+    """The cluster secret in ``state_dir/shard-key-secret``, made (32 random bytes, hex, mode 0600)
+    when there is none. Blocks on the filesystem: call it from a worker thread.
+
+    Losing the file changes every key: engines still running keep their old one and answer the
+    router 401 until they are restarted, so it belongs in the state directory's backups.
+    """
+    path = state_dir / SHARD_KEY_SECRET
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with open(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise OSError(
+            f"{path}: cannot read or create the shard key secret: {exc.strerror or exc}; "
+            "make state_dir writable by the control plane"
+        ) from exc
+    if len(text) < 32:
+        raise ValueError(
+            f"{path}: the shard key secret is {len(text)} characters, expected 64 hex digits; "
+            "remove the file to make a new one (running engines then need a restart)"
+        )
+    if os.stat(path).st_mode & 0o077:
+        log.warning("%s is readable by other users; chmod 600 it", path)
+    return text.encode()
+
+
+def shard_key(secret: bytes, shard_id: str) -> str:
+    """A shard's API key: HMAC-SHA256 of its id under the cluster secret, in hex."""
+    return hmac.new(secret, shard_id.encode(), hashlib.sha256).hexdigest()
 
 
 def _cc(text: str) -> tuple[int, int]:
@@ -122,6 +178,15 @@ class ControlPlane:
         self._views_list: list[NodeView] = []
         self._saved_generation: object = None
         self._save_lock = trio.Lock()
+        #: Loaded by ``run`` (or set by a test); while empty, shards get no key.
+        self.shard_key_secret = b""
+
+    def key_for(self, shard_id: str, engine: str) -> str:
+        """The key of one shard, for its StartShard and the router; empty for an engine with no key
+        option (trtllm) or before the secret is loaded."""
+        if not self.shard_key_secret or engine in KEYLESS_ENGINES:
+            return ""
+        return shard_key(self.shard_key_secret, shard_id)
 
     # -- events -------------------------------------------------------------------------------------
 
@@ -394,6 +459,7 @@ class ControlPlane:
             node_rank=shard.node_rank,
             master_addr=shard.master_addr,
             master_port=shard.master_port,
+            api_key=self.key_for(shard.shard_id, profile.engine),
         )
 
     async def reconcile_once(self) -> None:
@@ -450,7 +516,7 @@ class ControlPlane:
         ]
         if fresh:
             encoded = await trio.to_thread.run_sync(
-                lambda: [(nid, reg, base64.b64encode(bytes(reg)).decode()) for nid, reg in fresh]
+                lambda: [(nid, reg, base64.b64encode(bytes(_keyless(reg))).decode()) for nid, reg in fresh]
             )
             for nid, reg, text in encoded:
                 self._encoded[nid] = (reg, text)
@@ -559,7 +625,11 @@ class ControlPlane:
                     continue
                 leader = min(replica.shards, key=lambda s: s.node_rank)
                 node = self.fleet.nodes[leader.node_id]
-                upstream = Upstream(replica.replica_id, f"http://{node.register.mgmt_addr}:{leader.port}")
+                upstream = Upstream(
+                    replica.replica_id,
+                    f"http://{node.register.mgmt_addr}:{leader.port}",
+                    api_key=self.key_for(leader.shard_id, model.profile.engine),
+                )
                 is_leaving = any(n is not None and n.draining for n in nodes) or any(
                     st is not None and st.state == State.DRAINING for st in statuses
                 )
@@ -579,8 +649,13 @@ class ControlPlane:
                         or model_name_of(st.replica_id) != model.name
                     ):
                         continue
+                    engine = spec.profile.engine if spec.profile else model.profile.engine
                     leaving.append(
-                        Upstream(st.replica_id, f"http://{node.register.mgmt_addr}:{spec.http_port}")
+                        Upstream(
+                            st.replica_id,
+                            f"http://{node.register.mgmt_addr}:{spec.http_port}",
+                            api_key=self.key_for(st.shard_id, engine),
+                        )
                     )
             unplaced = [u.reason for u in self.plan.unplaced if u.model == model.name]
             reason = unplaced[0] if unplaced else f"no replica of {model.name} is ready yet"
@@ -616,6 +691,7 @@ class ControlPlane:
                 self.router_port = await nursery.start(router.serve, host, port)
                 task_status.started(self)
             return
+        self.shard_key_secret = await trio.to_thread.run_sync(load_shard_key_secret, self.config.state_dir)
         self.restore()
         tls = None
         if self.config.tls is not None:
@@ -653,4 +729,16 @@ class ControlPlane:
             await trio.sleep(max(0.05, took))
 
 
-__all__ = ["ControlPlane", "model_name_of"]
+def _keyless(register: schema.Register) -> schema.Register:
+    """``register`` without any shard key in it, for the state file: agents leave keys out of
+    ShardStatus, and one that does not (an older agent) must not put them on disk here."""
+    if not any(st.spec is not None and st.spec.api_key for st in register.shards):
+        return register
+    copy = schema.Register.parse(bytes(register))
+    for st in copy.shards:
+        if st.spec is not None:
+            st.spec.api_key = ""
+    return copy
+
+
+__all__ = ["ControlPlane", "load_shard_key_secret", "model_name_of", "shard_key"]

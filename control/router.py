@@ -156,6 +156,9 @@ class Upstream:
 
     replica_id: str
     url: str  # engine base URL, e.g. "http://127.0.0.1:8000"
+    #: The engine's own key (its shard's), sent upstream as ``Authorization: Bearer`` in place of
+    #: anything the client sent; empty for an engine without one. Never in a repr (logs).
+    api_key: str = attrs.field(default="", repr=False)
 
 
 @attrs.frozen
@@ -1344,14 +1347,22 @@ class Router:
             raise
         self.metrics.request(model, ex.status)
 
-    def _upstream_request(self, ex: _Exchange, target: Target) -> bytes:
+    def _upstream_request(self, ex: _Exchange, target: Target, api_key: str = "") -> bytes:
+        """The request head and body for the engine. An engine with a key of its own gets that key
+        and never the client's (the client's is for this router's ``api_keys``); one without gets
+        the client's ``Authorization`` only when this router checks none itself (a static
+        endpoint that wants the client's own credentials)."""
         head = ex.request
         body = head.body
         lines = [head.method, b" ", target.base_path, head.target, b" HTTP/1.1\r\nhost: ", target.host_header]
         lines.append(b"\r\ncontent-length: ")
         lines.append(str(len(body)).encode())
+        if api_key:
+            lines += (b"\r\nauthorization: Bearer ", api_key.encode())
         for name, value in head.headers:
-            if name in FORWARDED_REQUEST_HEADERS or (name == b"authorization" and not self.api_keys):
+            if name in FORWARDED_REQUEST_HEADERS or (
+                name == b"authorization" and not self.api_keys and not api_key
+            ):
                 lines += (b"\r\n", name, b": ", value)
         lines.append(b"\r\n\r\n")
         lines.append(body)
@@ -1407,7 +1418,7 @@ class Router:
                 target = self.pool.target(upstream.url)
             except ValueError as exc:
                 return self._failed(upstream, UpstreamError("connect", str(exc)))
-            request = self._upstream_request(ex, target)
+            request = self._upstream_request(ex, target, upstream.api_key)
             # The native pump relays the usual streamed response from its head on (see
             # _respond_whole); the timeouts apply to it from outside (the stall watch).
             whole = isinstance(self.pump, NativeRelayPump) and ex.request.http11
