@@ -29,7 +29,8 @@ from agent import __version__
 from agent.config import AgentConfig
 from agent.discovery import Inventory, NvmlSession
 from agent.discovery.model import GpuUsage
-from agent.engines import LaunchContext
+from agent.engines import ENGINES, LaunchContext, versions
+from agent.engines.versions import Installed
 from agent.session import Session, SessionResult
 from agent.supervise import LivenessProbe, Supervisor, probe_address
 from agent.supervise.supervisor import TEST_KILL_AT_ENV
@@ -65,10 +66,14 @@ def mgmt_address(config: AgentConfig) -> str:
 
 
 def build_register(
-    config: AgentConfig, inventory: Inventory, supervisor: Supervisor, mgmt_addr: str
+    config: AgentConfig,
+    inventory: Inventory,
+    supervisor: Supervisor,
+    mgmt_addr: str,
+    engines: Sequence[Installed] = (),
 ) -> schema.Register:
     """The first message of a session; ``mgmt_addr`` comes from :func:`mgmt_address`, which may
-    do DNS and so runs in a worker thread."""
+    do DNS and so runs in a worker thread; ``engines`` from :func:`engine_versions`."""
     return schema.Register(
         node_id=config.node_id,
         hostname=config.hostname,
@@ -99,7 +104,24 @@ def build_register(
         cuda_version=inventory.cuda_version,
         discovery_error=inventory.error,
         token=config.token,
+        engines=[e.to_proto() for e in engines],
     )
+
+
+async def engine_versions(config: AgentConfig) -> tuple[Installed, ...]:
+    """Every engine's installed version on this node (``agent.engines.versions``), once at start.
+
+    Every known engine, not only those named in the config: the defaults are configured too, and
+    an operator reading ``ctl nodes`` must see which engines a node lacks. Bounded by
+    ``versions.TIMEOUT`` however the engines' commands behave; once per agent start (see
+    ``agent.engines.versions`` for why not on each reconnect)."""
+    found = await versions.detect((name, config.engine_argv(name)) for name in ENGINES)
+    for e in found:
+        if e.version:
+            log.info("engine %s: version %s", e.engine, e.version)
+        else:
+            log.info("engine %s: version unknown: %s", e.engine, e.error)
+    return found
 
 
 def stream_options(config: AgentConfig) -> StreamOptions:
@@ -137,6 +159,8 @@ async def run_agent(
 ) -> None:
     """The whole agent: the supervisor service and the reconnect loop, until cancelled."""
     rng = rng or random.Random()
+    installed = await engine_versions(config)
+    installed_version = {e.engine: e.version for e in installed}
     # Engines listen on the management address unless told otherwise: the router reaches them
     # there, and nothing else the node is attached to needs to (each shard has its own key too).
     engine_host = config.engine_host or await trio.to_thread.run_sync(mgmt_address, config)
@@ -149,6 +173,7 @@ async def run_agent(
             fabrics=config.fabrics,
             gpus=inventory.gpus,
             shutdown_timeout_seconds=config.stop_grace,
+            engine_version=installed_version.get(engine, ""),
         )
 
     supervisor = Supervisor(
@@ -184,7 +209,7 @@ async def run_agent(
                 async with open_stream(config.server, options) as stream:
                     session = Session(
                         stream,
-                        register=build_register(config, inventory, supervisor, mgmt_addr),
+                        register=build_register(config, inventory, supervisor, mgmt_addr, installed),
                         supervisor=supervisor,
                         heartbeat_interval=config.heartbeat_interval,
                         usage=usage,

@@ -73,6 +73,10 @@ class LaunchContext:
     #: Drain window for engines with a graceful-stop flag (vLLM ``--shutdown-timeout``): on SIGTERM
     #: they finish in-flight requests for up to this long. 0 leaves the engine's default (abort).
     shutdown_timeout_seconds: float = 0.0
+    #: The engine's version installed on this node, as the agent found it at start
+    #: (``agent.engines.versions``; llama.cpp: its build tag, e.g. "b6432"); "" when unknown.
+    #: Adapters build flags for it (``flagsets.for_version``), never for a version they assume.
+    engine_version: str = ""
 
 
 def _frozen_env(env: Mapping[str, str]) -> Mapping[str, str]:

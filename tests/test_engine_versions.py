@@ -1,0 +1,194 @@
+"""Engine versions per node: detection against real commands, placement by a version constraint,
+and a whole fleet where a model asks for a version no node has.
+
+Detection runs real programs: small scripts on a PATH of the test's own (one prints a version, one
+hangs with a child holding its pipes, one fails), a Python interpreter reading a real package's
+metadata, the simulator's own ``--version``, and llama.cpp's ``llama-server`` when it is built.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.engines import versions, vllm
+from agent.engines.versions import Installed, Probe, plan_probe, read_version
+from tests.fleet_procs import pid_alive
+
+
+def _script(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory first on PATH, for engine commands the test writes."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ.get('PATH', '')}")
+    return d
+
+
+def _detect(engine: str, argv: tuple[str, ...], timeout: float = versions.TIMEOUT) -> Installed:
+    return trio.run(versions.detect_one, engine, argv, timeout)
+
+
+def test_version_command_on_path(bin_dir: Path) -> None:
+    _script(bin_dir, "vllm", 'echo "0.17.1"')
+    assert _detect("vllm", ("vllm",)) == Installed("vllm", version="0.17.1")
+
+
+def test_missing_binary_says_command_not_found(bin_dir: Path) -> None:
+    found = _detect("vllm", ("llmgw-no-such-engine",))
+    assert found == Installed("vllm", error="llmgw-no-such-engine: command not found")
+
+
+def test_failing_version_command_is_one_line_with_status(bin_dir: Path) -> None:
+    _script(
+        bin_dir,
+        "trtllm-serve",
+        'echo "Traceback (most recent call last):" >&2\necho "ImportError: libcudart.so.12" >&2\nexit 3',
+    )
+    found = _detect("trtllm", ("trtllm-serve",))
+    assert found.version == ""
+    assert found.error == "`trtllm-serve --version` exited with status 3: ImportError: libcudart.so.12"
+    assert "\n" not in found.error
+
+
+def test_hanging_version_command_is_bounded_and_leaves_nothing(bin_dir: Path, tmp_path: Path) -> None:
+    """A version command that never answers, with a child holding its output pipe: the agent moves
+    on at the deadline, and the whole process group is gone (no child left holding the pipe)."""
+    marker = f"llmgw-hang-{os.getpid()}"
+    _script(bin_dir, "llama-server", f'{sys.executable} -c "import time; time.sleep(300)" {marker}\n')
+    started = time.monotonic()
+    found = _detect("llamacpp", ("llama-server",), timeout=1.0)
+    took = time.monotonic() - started
+    assert found == Installed("llamacpp", error="`llama-server --version` did not answer within 1 s")
+    assert took < 4.0, f"detection took {took:.1f} s with a 1 s deadline"
+    assert not _processes_naming(marker), "the hanging command's child outlived the deadline"
+
+
+def _processes_naming(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in cmd and pid_alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_agent_secrets_never_reach_a_version_command(bin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMGW_AGENT_TOKEN", "s3cret")
+    _script(
+        bin_dir,
+        "vllm",
+        'if [ -n "$LLMGW_AGENT_TOKEN" ]; then echo "saw the token" >&2; exit 1; fi\necho 0.18.0',
+    )
+    assert _detect("vllm", ("vllm",)) == Installed("vllm", version="0.18.0")
+
+
+def test_python_engine_version_from_package_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PYTHON -m sglang.launch_server``: the interpreter the argv names reads the package's own
+    metadata (no import of the engine, which would take torch and CUDA)."""
+    site = tmp_path / "site"
+    dist = site / "sglang-0.5.4.post1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.4.post1\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    found = _detect("sglang", (sys.executable, "-m", "sglang.launch_server"))
+    assert found == Installed("sglang", version="0.5.4.post1")
+
+
+def test_python_engine_not_installed_for_its_interpreter(tmp_path: Path) -> None:
+    found = _detect("sglang", (sys.executable, "-m", "sglang.launch_server"))
+    assert found.version == ""
+    assert found.error == f"sglang not installed: no package 'sglang' in {sys.executable}"
+
+
+def test_console_script_version_from_its_interpreter(
+    bin_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm`` as pip installs it, a script whose ``#!`` names its venv's Python: that Python's
+    metadata answers (``vllm --version`` would import torch first)."""
+    site = tmp_path / "site"
+    dist = site / "vllm-0.33.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    script = bin_dir / "vllm"
+    script.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('imported the engine: too slow')\n")
+    script.chmod(0o755)
+    assert _detect("vllm", ("vllm",)) == Installed("vllm", version="0.33.0")
+
+
+def test_sim_reports_the_vllm_version_it_imitates() -> None:
+    found = _detect("sim", (sys.executable, "-m", "agent.engines.sim"))
+    assert found == Installed("sim", version=vllm.VERSION)
+    # The simulator standing in for vLLM (as the demo and fleet tests run it) reports the same.
+    assert _detect("vllm", (sys.executable, "-m", "agent.engines.sim")).version == vllm.VERSION
+
+
+def test_all_engines_at_once_within_one_deadline(bin_dir: Path) -> None:
+    _script(bin_dir, "vllm", "echo 0.18.0")
+    _script(bin_dir, "trtllm-serve", "exec sleep 300")
+    started = time.monotonic()
+    found = trio.run(
+        versions.detect,
+        [("vllm", ("vllm",)), ("trtllm", ("trtllm-serve",)), ("llamacpp", ("llmgw-no-such-server",))],
+        1.0,
+    )
+    assert time.monotonic() - started < 4.0
+    assert [f.engine for f in found] == ["vllm", "trtllm", "llamacpp"]
+    assert found[0].version == "0.18.0"
+    assert "did not answer within 1 s" in found[1].error
+    assert found[2].error == "llmgw-no-such-server: command not found"
+
+
+def test_llama_server_built_here() -> None:
+    from enginebuild import llamacpp as enginebuild
+
+    built = enginebuild.installed()
+    if built is None:
+        pytest.skip("llama-server not built: run `nox -s engines`")
+    found = _detect("llamacpp", (str(built.server),))
+    assert found.error == ""
+    assert found.version and (found.version.startswith("b") or found.version[0].isdigit())
+
+
+@pytest.mark.parametrize(
+    ("output", "version"),
+    [
+        ("version: 6432 (c4df49a4)\nbuilt with cc (GCC) 13.2 for x86_64-linux-gnu\n", "b6432"),
+        ("version: 0.5.0-dev (build 7002, commit 0c1e570)\n", "b7002"),
+        # A tree without git history counts no commits: the semantic version is all there is.
+        ("version: 0.5.0-dev (build 1, commit 0c1e570)\n", "0.5.0-dev"),
+    ],
+)
+def test_llamacpp_version_lines(output: str, version: str) -> None:
+    assert read_version(Probe(("llama-server", "--version"), "llamacpp"), "", output) == version
+
+
+def test_probe_plans() -> None:
+    py = sys.executable
+    assert plan_probe("sglang", (py, "-m", "sglang.launch_server"), None).reads == "metadata"
+    assert plan_probe("sim", (py, "-m", "agent.engines.sim"), None).argv == (
+        py,
+        "-m",
+        "agent.engines.sim",
+        "--version",
+    )
+    assert plan_probe("vllm", ("vllm",), ("/opt/v/bin/python",)).argv[0] == "/opt/v/bin/python"
+    assert plan_probe("vllm", ("vllm",), None).argv == ("vllm", "--version")
+    assert read_version(Probe(("x",), "text"), "vllm version 0.18.1rc2\n", "") == "0.18.1rc2"
