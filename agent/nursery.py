@@ -15,6 +15,7 @@ counter resets after a session that got as far as a registered stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -31,7 +32,7 @@ from agent.discovery import Inventory, NvmlSession
 from agent.discovery.model import GpuUsage
 from agent.engines import ENGINES, LaunchContext, versions
 from agent.engines.versions import Installed
-from agent.session import Session, SessionResult
+from agent.session import Session, SessionResult, read_credential, write_credential
 from agent.supervise import LivenessProbe, Supervisor, probe_address
 from agent.supervise.supervisor import TEST_KILL_AT_ENV
 from agent.transport import ClientTLS, GoAwayReceived, StreamOptions, TransportError, open_stream
@@ -140,6 +141,11 @@ def stream_options(config: AgentConfig) -> StreamOptions:
     )
 
 
+async def keep_credential(config: AgentConfig, credential: str) -> None:
+    """Store the credential the control plane issued this node (``agent.session.write_credential``)."""
+    await trio.to_thread.run_sync(write_credential, config.state_dir, config.node_id, credential)
+
+
 def usage_reader(inventory: Inventory) -> Callable[[], Sequence[GpuUsage]]:
     """Per-GPU usage for heartbeats: NVML when discovery used it, else the inventory's figures.
     Opening NVML blocks: call it from a worker thread."""
@@ -206,13 +212,19 @@ async def run_agent(
             result = SessionResult()
             try:
                 mgmt_addr = await trio.to_thread.run_sync(mgmt_address, config)
+                register = build_register(config, inventory, supervisor, mgmt_addr, installed)
+                # Once joined, the node's own credential speaks for it (the join token alone cannot).
+                register.node_credential = await trio.to_thread.run_sync(
+                    read_credential, config.state_dir, config.node_id
+                )
                 async with open_stream(config.server, options) as stream:
                     session = Session(
                         stream,
-                        register=build_register(config, inventory, supervisor, mgmt_addr, installed),
+                        register=register,
                         supervisor=supervisor,
                         heartbeat_interval=config.heartbeat_interval,
                         usage=usage,
+                        keep_credential=functools.partial(keep_credential, config),
                     )
                     result = await session.run()
             except (TransportError, OSError, trio.TooSlowError) as exc:

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import logging
+import os
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 import attrs
 import trio
@@ -34,6 +37,52 @@ log = logging.getLogger("llmgw.agent.session")
 
 #: Register must be answered within this long, or the session is given up and retried.
 REGISTER_TIMEOUT = 30.0
+
+
+#: The credential the control plane issued this node when it joined, in the agent's state directory.
+CREDENTIAL_FILE = "node-credential.json"
+
+
+def read_credential(state_dir: Path, node_id: str) -> str:
+    """The credential this node was issued, or "" (none yet, or one issued to another node id).
+
+    Blocks (a file read): call it from a worker thread."""
+    try:
+        doc = json.loads((state_dir / CREDENTIAL_FILE).read_text())
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError) as exc:
+        log.warning(
+            "%s: unreadable (%s); joining with the join token instead", state_dir / CREDENTIAL_FILE, exc
+        )
+        return ""
+    if not isinstance(doc, dict) or doc.get("node_id") != node_id:
+        return ""
+    credential = doc.get("credential", "")
+    return credential if isinstance(credential, str) else ""
+
+
+def write_credential(state_dir: Path, node_id: str, credential: str) -> None:
+    """Keep the credential issued to ``node_id`` (mode 0600 from the first byte, atomically, fsynced):
+    losing it means the node can only join again after an operator's ``ctl node reset``.
+
+    Blocks: call it from a worker thread."""
+    path = state_dir / CREDENTIAL_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, json.dumps({"node_id": node_id, "credential": credential}).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 class RegisterRefused(Exception):
@@ -62,8 +111,12 @@ class Session:
         supervisor: Supervisor,
         heartbeat_interval: float,
         usage: Callable[[], Sequence[GpuUsage]],
+        keep_credential: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.stream = stream
+        #: Stores a credential the control plane issues in its answer to Register (before the
+        #: session counts as registered: a credential not kept would lock the node out).
+        self.keep_credential = keep_credential
         self.register = register
         self.node_id = register.node_id
         self.supervisor = supervisor
@@ -186,6 +239,16 @@ class Session:
             if command.ack.message_id == self._register_id:
                 if not command.ack.ok:
                     raise RegisterRefused(command.ack.error or "no reason given")
+                if command.ack.node_credential:
+                    if self.keep_credential is None:
+                        raise RegisterRefused(
+                            "the control plane issued a node credential this agent cannot keep"
+                        )
+                    await self.keep_credential(command.ack.node_credential)
+                    log.info(
+                        "joined the cluster as %s; its credential is kept in the state directory",
+                        self.node_id,
+                    )
                 self._registered.set()
             return
         if command.start is not None:

@@ -6,6 +6,15 @@ in the client certificate, and a Register naming another node is refused and log
 optional per-node token does the same job. A second stream for the same node replaces the first: the
 old one is ended and nothing it sends afterwards is believed.
 
+Without mutual TLS a node joins with the cluster's join token and is issued a credential of its own
+(``control.joins``): from then on only that credential speaks for the node id, so a process that
+holds the join token alone cannot take over a joined node. No authentication at all is an explicit
+choice (``insecure = true`` in the config), never a default.
+
+Everything in a Register is bounded before anything else is done with it (``register_problem``:
+counts, string lengths, the node id's alphabet), since a peer that is not authenticated yet can
+send anything; every peer-supplied string that reaches a log is escaped (``peer_text``).
+
 Commands carry message ids. One that was not acknowledged before a disconnect is sent again after the
 node reconnects; the agent's idempotency (a repeated StartShard for a live shard spawns nothing) makes
 that safe, and losing a command silently would not be.
@@ -22,14 +31,158 @@ import trio
 
 import schema
 from control.fleet import Fleet, Transition
+from control.joins import JoinBook, same_secret
 from control.transport import ServerStream
-from schema.ids import shard_id_problem
+from schema.h2io import peer_text
+from schema.ids import node_id_problem, shard_id_problem
 from schema.rpc import Code, RpcError
 
 log = logging.getLogger("llmgw.control.agentsvc")
 
 #: The first message (Register) must arrive within this long of the stream opening.
 REGISTER_TIMEOUT = 30.0
+
+
+#: Peer-data limits (see ``register_problem``). A real node has at most a few dozen GPUs, labels,
+#: fabrics and engines; these leave room for that and keep one Register's decoded size (and so
+#: the control plane's memory per node) to what a node can actually have.
+MAX_GPUS = 64
+MAX_LABELS = 64
+MAX_FABRICS = 64
+MAX_ENGINES = 32
+MAX_SHARDS = 1024
+#: Names, ids, addresses, versions, label keys and values.
+MAX_NAME = 256
+#: Errors, output lines, model paths, engine arguments and environment values.
+MAX_TEXT = 16 * 1024
+#: Output tail lines, engine arguments and environment entries of one shard.
+MAX_LINES = 256
+
+
+def _text_problem(field: str, value: str, limit: int) -> str:
+    if len(value) > limit:
+        return f"{field} is {len(value)} characters; at most {limit} are accepted"
+    return ""
+
+
+def _count_problem(field: str, count: int, limit: int) -> str:
+    if count > limit:
+        return f"{field} has {count} entries; at most {limit} are accepted"
+    return ""
+
+
+def shard_status_problem(st: schema.ShardStatus, field: str) -> str:
+    """Why a ShardStatus (in a Register, or on its own) is out of bounds; empty when it is not."""
+    problem = shard_id_problem(st.shard_id)
+    if problem:
+        return f"{field}.{problem}"
+    checks = [
+        _text_problem(f"{field}.node_id", st.node_id, MAX_NAME),
+        _text_problem(f"{field}.replica_id", st.replica_id, MAX_NAME),
+        _text_problem(f"{field}.error", st.error, MAX_TEXT),
+        _count_problem(f"{field}.output_tail", len(st.output_tail), MAX_LINES),
+        *(_text_problem(f"{field}.output_tail[{i}]", t, MAX_TEXT) for i, t in enumerate(st.output_tail)),
+    ]
+    spec = st.spec
+    if spec is not None:
+        checks += [
+            _text_problem(f"{field}.spec.shard_id", spec.shard_id, MAX_NAME),
+            _text_problem(f"{field}.spec.replica_id", spec.replica_id, MAX_NAME),
+            _text_problem(f"{field}.spec.master_addr", spec.master_addr, MAX_NAME),
+            _text_problem(f"{field}.spec.api_key", spec.api_key, MAX_NAME),
+            _count_problem(f"{field}.spec.gpu_indices", len(spec.gpu_indices), MAX_GPUS),
+        ]
+        profile = spec.profile
+        if profile is not None:
+            checks += [
+                _text_problem(f"{field}.spec.profile.{name}", getattr(profile, name), MAX_TEXT)
+                for name in (
+                    "engine",
+                    "model",
+                    "served_model_name",
+                    "dtype",
+                    "quantization",
+                    "engine_version",
+                )
+            ]
+            checks += [
+                _count_problem(f"{field}.spec.profile.extra_args", len(profile.extra_args), MAX_LINES),
+                _count_problem(f"{field}.spec.profile.env", len(profile.env), MAX_LINES),
+                *(_text_problem(f"{field}.spec.profile.extra_args", a, MAX_TEXT) for a in profile.extra_args),
+                *(
+                    _text_problem(f"{field}.spec.profile.env", k + v, MAX_TEXT)
+                    for k, v in profile.env.items()
+                ),
+            ]
+    return next((c for c in checks if c), "")
+
+
+def register_problem(reg: schema.Register) -> str:
+    """Why a Register is out of bounds, naming the field and the limit; empty when it is not.
+
+    Checked before anything else is done with a Register (authentication included): whatever an
+    unauthenticated peer sends must not grow the control plane beyond what a real node could.
+    """
+    problem = node_id_problem(reg.node_id)
+    if problem:
+        return problem
+    counts = [
+        _count_problem("gpus", len(reg.gpus), MAX_GPUS),
+        _count_problem("labels", len(reg.labels), MAX_LABELS),
+        _count_problem("fabrics", len(reg.fabrics), MAX_FABRICS),
+        _count_problem("engines", len(reg.engines), MAX_ENGINES),
+        _count_problem("shards", len(reg.shards), MAX_SHARDS),
+    ]
+    problem = next((c for c in counts if c), "")
+    if problem:
+        return problem
+    checks = [
+        _text_problem(name, getattr(reg, name), MAX_NAME)
+        for name in (
+            "hostname", "mgmt_addr", "agent_version", "mgmt_interface", "driver_version",
+            "cuda_version", "token", "node_credential",
+        )
+    ]  # fmt: skip
+    checks.append(_text_problem("discovery_error", reg.discovery_error, MAX_TEXT))
+    for key, value in reg.labels.items():
+        checks += [
+            _text_problem("a label key", key, MAX_NAME),
+            _text_problem(f"label {key[:64]!r}", value, MAX_NAME),
+        ]
+    for i, g in enumerate(reg.gpus):
+        checks += [
+            _text_problem(f"gpus[{i}].{name}", getattr(g, name), MAX_NAME)
+            for name in ("uuid", "name", "compute_capability", "pci_bus_id")
+        ]
+        checks.append(_count_problem(f"gpus[{i}].nvlink_peers", len(g.nvlink_peers), MAX_GPUS))
+    for i, f in enumerate(reg.fabrics):
+        checks += [
+            _text_problem(f"fabrics[{i}].fabric", f.fabric, MAX_NAME),
+            _text_problem(f"fabrics[{i}].hca", f.hca, MAX_NAME),
+        ]
+    for i, e in enumerate(reg.engines):
+        checks += [
+            _text_problem(f"engines[{i}].engine", e.engine, MAX_NAME),
+            _text_problem(f"engines[{i}].version", e.version, MAX_NAME),
+            _text_problem(f"engines[{i}].error", e.error, MAX_TEXT),
+        ]
+    problem = next((c for c in checks if c), "")
+    if problem:
+        return problem
+    return next(
+        (p for p in (shard_status_problem(s, f"shards[{i}]") for i, s in enumerate(reg.shards)) if p), ""
+    )
+
+
+@attrs.frozen
+class Admission:
+    """Whether a Register may speak for its node id, and how it proved it (``ctl nodes`` shows it)."""
+
+    refusal: str = ""
+    #: "mtls", "node token", "credential", "join token" or "insecure".
+    method: str = ""
+    #: A credential issued by this admission (first join), for the Ack.
+    issued: str = ""
 
 
 @attrs.define(eq=False)
@@ -51,12 +204,20 @@ class AgentService:
         fleet: Fleet,
         *,
         tokens: Mapping[str, str] | None = None,
+        joins: JoinBook | None = None,
+        insecure: bool = False,
         clock: Callable[[], float] = trio.current_time,
         on_change: Callable[[], None] = lambda: None,
         on_transitions: Callable[[list[Transition]], None] = lambda _: None,
     ) -> None:
         self.fleet = fleet
         self.tokens = dict(tokens or {})
+        #: The join token and node credentials; None: no join token (mTLS or [tokens] only).
+        self.joins = joins
+        #: Accept a node with no authentication at all (``insecure = true``; explicit and loud).
+        self.insecure = insecure
+        #: How each node's current stream was admitted (``Admission.method``).
+        self.admitted_by: dict[str, str] = {}
         self.clock = clock
         self.on_change = on_change
         self.on_transitions = on_transitions
@@ -68,23 +229,70 @@ class AgentService:
 
     # -- identity --------------------------------------------------------------------------------
 
-    def _refusal(self, stream: ServerStream, reg: schema.Register) -> str:
-        """Why this stream may not speak for ``reg.node_id``; empty when it may."""
+    async def admit(self, stream: ServerStream, reg: schema.Register) -> Admission:
+        """Whether this stream may speak for ``reg.node_id``, and how it proved it.
+
+        In order: a verified client certificate must name the node (and needs nothing else); a node
+        with a per-node token in ``[tokens]`` must present it; a node that joined before must present
+        its credential (the join token alone is refused: that is the takeover this prevents); a node
+        new to this control plane may join with the join token and is issued a credential. Only with
+        ``insecure`` is a node with none of these accepted.
+        """
+        node_id = reg.node_id
         peer = stream.peer
         if peer.verified:
-            if reg.node_id not in peer.names():
-                return (
-                    f"Register names node {reg.node_id!r} but the client certificate is for "
-                    f"{', '.join(peer.names()) or 'no name'}"
+            if node_id not in peer.names():
+                return Admission(
+                    f"Register names node {node_id!r} but the client certificate is for "
+                    f"{', '.join(map(peer_text, peer.names())) or 'no name'}"
                 )
-            return ""
-        if self.tokens:
-            expected = self.tokens.get(reg.node_id)
-            if expected is None:
-                return f"no token is configured for node {reg.node_id!r}"
-            if reg.token != expected:
-                return f"wrong token for node {reg.node_id!r}"
-        return ""
+            return Admission(method="mtls")
+        expected = self.tokens.get(node_id)
+        if expected is not None:
+            if not same_secret(reg.token, expected):
+                return Admission(f"wrong token for node {node_id!r}")
+            return Admission(method="node token")
+        joins = self.joins
+        if joins is None:
+            if self.insecure:
+                return Admission(method="insecure")
+            if self.tokens:
+                return Admission(f"no token is configured for node {node_id!r}")
+            return Admission(
+                f"node {node_id!r} presents no client certificate, and this control plane has no join "
+                "token or [tokens] to check it against"
+            )
+        async with joins.lock:
+            if joins.bound(node_id):
+                if joins.is_credential_of(node_id, reg.node_credential):
+                    return Admission(method="credential")
+                if self.insecure:
+                    return Admission(method="insecure")
+                return Admission(
+                    f"node {node_id!r} has already joined with a credential of its own, and this "
+                    f"Register {'presents another' if reg.node_credential else 'does not present it'}; "
+                    "the join token alone cannot take over a joined node. If the node was reinstalled "
+                    f"on purpose, forget its credential with `ctl node reset {node_id}` and start its "
+                    "agent with the join token"
+                )
+            if joins.is_join_token(reg.token):
+                return Admission(method="join token", issued=await joins.issue(node_id))
+            if self.insecure:
+                return Admission(method="insecure")
+            if reg.node_credential:
+                return Admission(
+                    f"node {node_id!r} presents a node credential this control plane does not know "
+                    "(its binding was reset, or the control plane's state directory is new); start "
+                    "the agent with the join token (`ctl token` prints it)"
+                )
+            if reg.token:
+                return Admission(
+                    f"wrong join token from node {node_id!r}; `ctl token` on the control plane prints it"
+                )
+            return Admission(
+                f"node {node_id!r} presents no join token; start its agent with --token (or "
+                "LLMGW_AGENT_TOKEN) set to what `ctl token` prints on the control plane"
+            )
 
     # -- the stream handler ----------------------------------------------------------------------
 
@@ -99,23 +307,28 @@ class AgentService:
             return
         if first.register is None:
             raise RpcError(Code.FAILED_PRECONDITION, "the first message on a stream must be Register")
+        first_id = first.message_id
         reg = first.register
-        refusal = self._refusal(stream, reg)
-        if refusal:
-            log.warning("refused a stream from %s: %s", stream.peer.address, refusal)
-            await stream.send(
-                self._message(ack=schema.Ack(message_id=first.message_id, ok=False, error=refusal))
-            )
-            raise RpcError(Code.PERMISSION_DENIED, refusal)
-
-        invalid = next((p for p in (shard_id_problem(s.shard_id) for s in reg.shards) if p), "")
+        invalid = register_problem(reg)
         if invalid:
-            problem = f"Register from node {reg.node_id!r} lists a shard whose {invalid}"
+            named = f"node {reg.node_id!r}" if not node_id_problem(reg.node_id) else "a node"
+            problem = f"Register from {named} refused: {invalid}"
             log.warning("refused a stream from %s: %s", stream.peer.address, problem)
-            await stream.send(
-                self._message(ack=schema.Ack(message_id=first.message_id, ok=False, error=problem))
-            )
+            del first, reg  # a large refused Register is not kept while the refusal is sent
+            await stream.send(self._message(ack=schema.Ack(message_id=first_id, ok=False, error=problem)))
             raise RpcError(Code.INVALID_ARGUMENT, problem)
+
+        admission = await self.admit(stream, reg)
+        if admission.refusal:
+            refusal = admission.refusal
+            log.warning("refused a stream from %s: %s", stream.peer.address, refusal)
+            await stream.send(self._message(ack=schema.Ack(message_id=first_id, ok=False, error=refusal)))
+            raise RpcError(Code.PERMISSION_DENIED, refusal)
+        if admission.issued:
+            log.info("%s joined with the join token and was issued a credential of its own", reg.node_id)
+        # Secrets are not kept with the node's record (nor written into control-state.json).
+        reg.token = ""
+        reg.node_credential = ""
 
         node_id = reg.node_id
         previous = self.streams.get(node_id)
@@ -131,6 +344,7 @@ class AgentService:
         try:
             with current.scope:
                 self.streams[node_id] = current
+                self.admitted_by[node_id] = admission.method
                 self.on_transitions(self.fleet.registered(reg, self.clock()))
                 log.info(
                     "%s registered from %s over %s: %d GPU(s), %d shard(s) running",
@@ -141,7 +355,8 @@ class AgentService:
                     len(reg.shards),
                 )
                 self.on_change()
-                await stream.send(self._message(ack=schema.Ack(message_id=first.message_id, ok=True)))
+                ack = schema.Ack(message_id=first_id, ok=True, node_credential=admission.issued)
+                await stream.send(self._message(ack=ack))
                 for message in sorted(self.pending.get(node_id, {}).values(), key=lambda m: m.message_id):
                     try:
                         send.send_nowait(message)  # unacknowledged before the disconnect: send again
@@ -176,7 +391,7 @@ class AgentService:
             if msg.heartbeat is not None:
                 self.on_transitions(self.fleet.heartbeat(node_id, msg.heartbeat, now))
             elif msg.shard is not None:
-                problem = shard_id_problem(msg.shard.shard_id)
+                problem = shard_status_problem(msg.shard, "ShardStatus")
                 if problem:
                     log.warning("%s: ignored a ShardStatus: %s", node_id, problem)
                     continue
@@ -186,7 +401,12 @@ class AgentService:
                 pending = self.pending.get(node_id, {})
                 command = pending.pop(msg.ack.message_id, None)
                 if not msg.ack.ok:
-                    log.warning("%s refused command %d: %s", node_id, msg.ack.message_id, msg.ack.error)
+                    log.warning(
+                        "%s refused command %d: %s",
+                        node_id,
+                        msg.ack.message_id,
+                        peer_text(msg.ack.error, 1024),
+                    )
                 if command is not None and command.start is not None and not msg.ack.ok:
                     self.on_change()
             elif msg.logs is not None:

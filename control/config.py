@@ -31,6 +31,9 @@
 
     [tokens]                       # optional per-node tokens, for control planes without mutual TLS
     gpu07 = "s3cret"
+    # Agents join with the join token (state_dir/join-token, `ctl token`) and are then bound to a
+    # credential of their own. `insecure = true` (top level) accepts agents with no authentication
+    # at all: for a lab only, and said at start and in `ctl nodes`.
 
     [engines]
     ports = "8000-8999"            # engine ports the control plane hands out (within each node's range)
@@ -443,6 +446,9 @@ class ControlConfig:
     tls: TLSConfig | None = None
     liveness: Liveness = Liveness()
     tokens: dict[str, str] = attrs.field(factory=dict)
+    #: Accept agents with no authentication at all (no client certificate, join token or node
+    #: token): explicit, since anything that reaches the agent port can then act as any node.
+    insecure: bool = False
     engines: Engines = Engines()
     models: tuple[ModelConfig, ...] = ()
     endpoints: tuple[EndpointConfig, ...] = ()

@@ -150,6 +150,7 @@ class ControlPlane:
         self.agents = AgentService(
             self.fleet,
             tokens=config.tokens,
+            insecure=config.insecure,
             clock=clock,
             on_change=self.poke,
             on_transitions=self._transitions,
@@ -581,6 +582,10 @@ class ControlPlane:
             log.warning("%s: unreadable (%s); starting with no memory of the fleet", self.state_file, exc)
             return
         registers = [schema.Register.parse(base64.b64decode(v)) for v in doc.get("nodes", {}).values()]
+        for reg in registers:
+            # A state file written before secrets were stripped from it: they are not kept in memory
+            # either, and the next save leaves them out.
+            reg.token = reg.node_credential = ""
         for node_id, mark in dict(doc.get("cordons", {})).items():
             try:
                 self.fleet.cordons[str(node_id)] = Cordon(mark)
@@ -693,6 +698,7 @@ class ControlPlane:
             return
         self.shard_key_secret = await trio.to_thread.run_sync(load_shard_key_secret, self.config.state_dir)
         self.restore()
+        await self._load_joins()
         tls = None
         if self.config.tls is not None:
             t = self.config.tls
@@ -708,6 +714,28 @@ class ControlPlane:
                 self.router_port = await nursery.start(router.serve, router_host, router_port)
             nursery.start_soon(self._reconcile_loop)
             task_status.started(self)
+
+    async def _load_joins(self) -> None:
+        """Load (on a first start, create) the join token and node credentials, and say how agents
+        join: one line naming the token's file and `ctl token`, never the token itself."""
+        from control.joins import JoinBook
+
+        joins = await trio.to_thread.run_sync(JoinBook.load, self.config.state_dir)
+        self.agents.joins = joins
+        log.info(
+            "%s join token in %s (mode 0600); print it with `python -m control ctl token`, and start "
+            "agents with --token or LLMGW_AGENT_TOKEN set to it; %d node(s) joined before",
+            "created a" if joins.created else "agents join with the",
+            joins.token_path,
+            len(joins.nodes()),
+        )
+        if self.config.insecure:
+            log.warning(
+                "insecure = true: agents are accepted with no authentication at all; anything that "
+                "reaches %s can register as any node and have its engines stopped. Remove it and "
+                "give agents the join token, or use mutual TLS",
+                self.config.listen.agents,
+            )
 
     async def _reconcile_loop(self) -> None:
         while True:

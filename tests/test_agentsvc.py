@@ -30,7 +30,7 @@ async def _register(stream: object, node_id: str) -> None:
 
 async def test_unacknowledged_commands_are_resent_after_reconnect(nursery: trio.Nursery) -> None:
     fleet = Fleet(15, 300)
-    svc = AgentService(fleet)
+    svc = AgentService(fleet, insecure=True)
     port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     start = schema.StartShard(shard_id="m-r0-s0", replica_id="m-r0")
@@ -57,7 +57,7 @@ async def test_unacknowledged_commands_are_resent_after_reconnect(nursery: trio.
 
 async def test_second_stream_replaces_the_first(nursery: trio.Nursery) -> None:
     fleet = Fleet(15, 300)
-    svc = AgentService(fleet)
+    svc = AgentService(fleet, insecure=True)
     port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     async with open_stream(url) as old, open_stream(url) as new:
@@ -127,7 +127,7 @@ async def test_a_stream_reset_while_its_register_is_acknowledged_leaves_no_ghost
     from schema import framing
 
     fleet = Fleet(15, 300)
-    svc = AgentService(fleet)
+    svc = AgentService(fleet, insecure=True)
     port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
     sock = await trio.open_tcp_stream("127.0.0.1", port)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
@@ -162,7 +162,7 @@ async def test_shard_ids_are_checked_in_register_and_shard_status(nursery: trio.
     from agent.transport import Code, RpcError
 
     fleet = Fleet(15, 300)
-    svc = AgentService(fleet)
+    svc = AgentService(fleet, insecure=True)
     port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     bad = schema.ShardStatus(shard_id="llama/r0", replica_id="llama-r0", state=schema.ShardState.READY)
@@ -173,7 +173,7 @@ async def test_shard_ids_are_checked_in_register_and_shard_status(nursery: trio.
         refusal = await stream.receive()
         assert refusal is not None and refusal.ack is not None and not refusal.ack.ok
         assert refusal.ack.error == (
-            "Register from node 'n1' lists a shard whose shard_id 'llama/r0' is not valid; it must be "
+            "Register from node 'n1' refused: shards[0].shard_id 'llama/r0' is not valid; it must be "
             "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
         try:

@@ -90,6 +90,13 @@ class Ack(betterproto2.Message):
 
     error: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
+    node_credential: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    Answering a Register that joined with the join token: the credential issued to this node id,
+    which the agent keeps (mode 0600) and presents as Register.node_credential from then on.
+    Empty otherwise. Never logged.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Ack", Ack)
 
@@ -440,7 +447,8 @@ class Register(betterproto2.Message):
 
     token: "str" = betterproto2.field(16, betterproto2.TYPE_STRING)
     """
-    Optional per-node token, for control planes that do not use mutual TLS.
+    Without mutual TLS: the cluster's join token (the control plane's `ctl token`), or a per-node
+    token from its [tokens]. Never logged or stored by the control plane.
     """
 
     engines: "list[EngineInstall]" = betterproto2.field(
@@ -449,6 +457,13 @@ class Register(betterproto2.Message):
     """
     Every engine the agent is configured to run, with the version installed on this node (found at
     start from the engine's own version command or package metadata), or why it could not be found.
+    """
+
+    node_credential: "str" = betterproto2.field(18, betterproto2.TYPE_STRING)
+    """
+    The credential this node was issued when it joined (Ack.node_credential), kept in the agent's
+    state directory and presented in every later Register: once a node id has one, the join token
+    alone cannot speak for it (`ctl node reset NODE` forgets it on purpose). Never logged.
     """
 
 
