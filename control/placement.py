@@ -34,6 +34,13 @@ Rules where the choice is ours (each one is deterministic):
   has a second free port for the master; `master_addr` is its mgmt_addr.
 - **Shard ids.** `{replica_id}-s{rank}-{6 hex}`, the hex a hash of the shard's node, GPUs and port, so
   each placement has an id of its own and the same placement always the same id (`shard_id`).
+- **Engine versions.** A model whose profile sets ``engine_version`` (PEP 440 specifiers, ``">=0.18"``)
+  is placed only on nodes whose agent reported a version of the model's engine that satisfies it
+  (pre-releases and dev builds count by their place in the order: a node running ``0.19.0rc1`` has
+  ``>=0.18``). A node whose engine is missing, whose version is unknown or not comparable, or whose
+  agent reported no versions at all cannot show that it satisfies the constraint, so it takes none.
+  llama.cpp's build tags compare by number (``b6432`` is 6432; the constraint may say ``>=b6000``).
+  Without a constraint engines are not checked: ``ctl nodes`` shows a node's missing engines.
 - **Cordoned and draining nodes** take nothing new; what they run is kept as long as the caller passes
   it in `current` (a drain leaves it out, so its replicas are placed elsewhere).
 - **Ports.** Each shard takes the lowest free port in its node's inclusive range; the leader's master
@@ -55,11 +62,15 @@ Rules where the choice is ours (each one is deterministic):
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 import attrs
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 #: Node states as the fleet reports them; only READY nodes take new placements.
 READY = "ready"
@@ -107,6 +118,67 @@ class GpuView:
 
 
 @attrs.frozen
+class EngineView:
+    """One engine on a node, as its agent found it at start: the version, or why it is unknown."""
+
+    version: str = ""
+    error: str = ""
+
+
+#: A llama.cpp build tag (``b6432``), compared by its number.
+_BUILD_TAG = re.compile(r"(?<![\w.])b(\d+)\b")
+
+
+def _comparable(text: str) -> str:
+    """Version or specifier text as PEP 440 reads it: llama.cpp's ``b6432`` becomes ``6432``."""
+    return _BUILD_TAG.sub(r"\1", text.strip())
+
+
+@functools.lru_cache(maxsize=256)
+def engine_constraint(text: str) -> SpecifierSet:
+    """An ``engine_version`` constraint as a specifier set; ValueError, naming the text, when it is
+    not one (``control.config`` checks every profile's at load, naming the line)."""
+    try:
+        return SpecifierSet(_comparable(text))
+    except InvalidSpecifier as exc:
+        raise ValueError(
+            f"{text!r} is not a PEP 440 version specifier ({exc}); write e.g. '>=0.18' or '>=0.18,<0.34'"
+        ) from None
+
+
+def engine_version_problem(engine: str, constraint: str, engines: Mapping[str, EngineView]) -> str:
+    """Why a node whose agent reported ``engines`` cannot run ``engine`` under ``constraint``, in
+    words for ``ctl why`` ("vllm 0.17.1 does not satisfy >=0.18"); "" when it can."""
+    if not constraint:
+        return ""
+    found = engines.get(engine)
+    if found is None:
+        if not engines:
+            return f"reports no engine versions (its agent predates version detection); {constraint} cannot be checked"
+        return f"reports no {engine} version; {constraint} cannot be checked"
+    if not found.version:
+        if "command not found" in found.error:
+            return f"{engine} not installed ({found.error})"
+        if found.error.startswith(f"{engine} not installed"):
+            return found.error
+        return (
+            f"{engine} version unknown ({found.error or 'no reason given'}); {constraint} cannot be checked"
+        )
+    try:
+        version = Version(_comparable(found.version))
+        spec = engine_constraint(constraint)
+    except (InvalidVersion, ValueError):
+        return f"{engine} {found.version} is not a version {constraint} can be checked against"
+    if spec.contains(version, prereleases=True):
+        return ""
+    return f"{engine} {found.version} does not satisfy {constraint}"
+
+
+def _engines(values: Mapping[str, EngineView]) -> Mapping[str, EngineView]:
+    return MappingProxyType(dict(values))
+
+
+@attrs.frozen
 class NodeView:
     """What placement needs to know about a node: its liveness, hardware, labels, fabrics and ports."""
 
@@ -131,6 +203,9 @@ class NodeView:
     #: keep off them until those engines stop, so no engine starts on a port or GPU still in use.
     held_gpus: frozenset[int] = attrs.field(default=frozenset(), converter=_int_frozenset)
     held_ports: frozenset[int] = attrs.field(default=frozenset(), converter=_int_frozenset)
+    #: Engine name -> its version on the node, as the agent reported it in Register; empty when the
+    #: agent reported none (an older agent). Excluded from the hash like ``labels``.
+    engines: Mapping[str, EngineView] = attrs.field(factory=dict, converter=_engines, hash=False)
 
 
 @attrs.frozen
@@ -149,6 +224,10 @@ class ModelSpec:
     nodes_per_replica: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: 0: the master port is any free port. >0: it must be the leader's engine port + this offset.
     master_port_offset: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: The profile's engine ("vllm", "sim"...), whose version ``engine_version`` constrains.
+    engine: str = ""
+    #: PEP 440 specifiers the node's installed engine must satisfy (``">=0.18"``); "": any.
+    engine_version: str = ""
 
 
 @attrs.frozen
@@ -343,7 +422,7 @@ class _NodeInfo:
         return found
 
 
-_EligibleKey = tuple[tuple[tuple[str, str], ...], int, tuple[int, int]]
+_EligibleKey = tuple[tuple[tuple[str, str], ...], int, tuple[int, int], str, str]
 
 
 class _Fleet:
@@ -363,31 +442,41 @@ class _Fleet:
         self._eligible: dict[_EligibleKey, list[tuple[_NodeInfo, frozenset[int]]]] = {}
 
     def eligible(self, model: ModelSpec) -> list[tuple[_NodeInfo, frozenset[int]]]:
-        """Open nodes that carry the model's labels, with their GPUs that meet its minimums.
+        """Open nodes that carry the model's labels and satisfy its engine version constraint, with
+        their GPUs that meet its minimums.
 
-        Cached by (selector, minimums): catalogs repeat a few requirement sets across many models.
+        Cached by (selector, minimums, engine constraint): catalogs repeat a few requirement sets
+        across many models.
         """
         selector = tuple(sorted(model.selector.items()))
-        key = (selector, model.min_gpu_memory_mib, model.min_compute_capability)
+        constraint = model.engine_version
+        key = (selector, model.min_gpu_memory_mib, model.min_compute_capability, model.engine, constraint)
         found = self._eligible.get(key)
         if found is None:
             found = [
                 (info, info.qualifying(model.min_gpu_memory_mib, model.min_compute_capability))
                 for info in self.open
                 if all(info.node.labels.get(k) == v for k, v in selector)
+                and not (constraint and engine_version_problem(model.engine, constraint, info.node.engines))
             ]
             self._eligible[key] = found
         return found
 
     def static_reasons(self, model: ModelSpec) -> dict[str, _Reason]:
-        """Why each node that is closed, or lacks the model's labels, cannot take it."""
+        """Why each node that is closed, lacks the model's labels, or fails its engine version
+        constraint, cannot take it."""
         reasons = dict(self.closed)
-        if model.selector:
+        if model.selector or model.engine_version:
             eligible = {info.node_id for info, _ in self.eligible(model)}
             memo: dict[tuple[str, ...], _Reason] = {}
             for info in self.open:
                 if info.node_id not in eligible:
                     missing = _missing_labels(info.node, model.selector)
+                    if not missing:
+                        text = engine_version_problem(model.engine, model.engine_version, info.node.engines)
+                        summary = f"do not have {model.engine} {model.engine_version}"
+                        reasons[info.node_id] = _Reason("engine", text, summary)
+                        continue
                     reason = memo.get(missing)
                     if reason is None:
                         reason = memo[missing] = _label_reason(missing)
@@ -571,7 +660,7 @@ class _Reason:
 
 # Tie-break between groups of equal size in the summary: resource shortages first, then policy.
 _CATEGORY_ORDER = (
-    "gpus", "ports", "fabric", "master", "label", "cordoned", "draining", "unreachable", "state", "lost",
+    "gpus", "ports", "fabric", "master", "label", "engine", "cordoned", "draining", "unreachable", "state", "lost",
 )  # fmt: skip
 
 

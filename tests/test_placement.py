@@ -11,12 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control.placement import (
+    EngineView,
     GpuView,
     ModelSpec,
     NodeView,
     Plan,
     ReplicaPlacement,
     ShardAssignment,
+    engine_constraint,
+    engine_version_problem,
     place,
     shard_id,
 )
@@ -181,6 +184,73 @@ def test_selector_picks_the_labelled_node_and_explains_the_others() -> None:
     assert why.reason == (
         "0/2 nodes are available: 1 insufficient free GPUs (need 8, have 0 free), 1 missing label zone=a."
     )
+
+
+def with_engines(view: NodeView, **engines: EngineView) -> NodeView:
+    return attrs.evolve(view, engines=engines)
+
+
+def test_engine_version_constraint_places_only_where_it_is_satisfied_and_says_why_elsewhere() -> None:
+    fleet = [
+        with_engines(node("gpu01"), vllm=EngineView("0.18.0")),
+        with_engines(node("gpu05"), vllm=EngineView(error="vllm: command not found")),
+        with_engines(node("gpu07"), vllm=EngineView("0.17.1")),
+        node("gpu09"),  # an agent that reports no versions
+    ]
+    model = ModelSpec("m", 2, 8, engine="vllm", engine_version=">=0.18")
+    plan = place([model], fleet, [])
+    assert where(plan) == {"m-r0": [("gpu01", tuple(range(8)))]}
+    (why,) = plan.unplaced
+    assert why.per_node == {
+        "gpu01": "insufficient free GPUs (need 8, have 0 free)",
+        "gpu05": "vllm not installed (vllm: command not found)",
+        "gpu07": "vllm 0.17.1 does not satisfy >=0.18",
+        "gpu09": "reports no engine versions (its agent predates version detection); >=0.18 cannot be checked",
+    }
+    assert why.reason == (
+        "0/4 nodes are available: 3 do not have vllm >=0.18, 1 insufficient free GPUs (need 8, have 0 free)."
+    )
+    # Without a constraint the same fleet takes the model everywhere (ctl nodes shows what is missing).
+    free = place([ModelSpec("m", 4, 8, engine="vllm")], fleet, [])
+    assert len(free.replicas) == 4
+
+
+def test_engine_version_constraint_keeps_running_replicas() -> None:
+    """Like a changed label, a constraint added later does not evict what already runs."""
+    fleet = [with_engines(node("gpu07"), vllm=EngineView("0.17.1"))]
+    running = single("gpu07", "m-r0", tuple(range(8)))
+    plan = place([ModelSpec("m", 1, 8, engine="vllm", engine_version=">=0.18")], fleet, [running])
+    assert plan.replicas == (running,)
+
+
+@pytest.mark.parametrize(
+    ("installed", "constraint", "problem"),
+    [
+        (EngineView("0.19.0rc1"), ">=0.18", ""),
+        (EngineView("0.18.1.dev12+g1234abc"), ">=0.18,<0.19", ""),
+        (EngineView("0.33.0"), ">=0.18,<0.33", "vllm 0.33.0 does not satisfy >=0.18,<0.33"),
+        (EngineView("garbage"), ">=0.18", "vllm garbage is not a version >=0.18 can be checked against"),
+        (EngineView(error="`vllm --version` did not answer within 5 s"), ">=0.18",
+         "vllm version unknown (`vllm --version` did not answer within 5 s); >=0.18 cannot be checked"),
+        (EngineView(error="vllm not installed: no package 'vllm' in /usr/bin/python3"), ">=0.18",
+         "vllm not installed: no package 'vllm' in /usr/bin/python3"),
+        (EngineView("0.1.0"), "", ""),
+    ],
+)  # fmt: skip
+def test_engine_version_problems(installed: EngineView, constraint: str, problem: str) -> None:
+    assert engine_version_problem("vllm", constraint, {"vllm": installed}) == problem
+
+
+def test_llamacpp_build_tags_compare_by_number() -> None:
+    engines = {"llamacpp": EngineView("b6432")}
+    assert engine_version_problem("llamacpp", ">=b6000", engines) == ""
+    assert engine_version_problem("llamacpp", ">=6500", engines) == "llamacpp b6432 does not satisfy >=6500"
+    assert (
+        engine_version_problem("sglang", ">=0.5", engines)
+        == "reports no sglang version; >=0.5 cannot be checked"
+    )
+    with pytest.raises(ValueError, match="'>=zero' is not a PEP 440 version specifier"):
+        engine_constraint(">=zero")
 
 
 def test_summary_groups_reasons_largest_first_like_kubernetes() -> None:
@@ -590,10 +660,23 @@ def fleets(draw: st.DrawFn) -> list[NodeView]:
                 cordoned=draw(drains),
                 held_gpus=draw(st.frozensets(st.integers(0, 8), max_size=3)),
                 held_ports=draw(st.frozensets(st.integers(7999, 8005), max_size=2)),
+                engines=draw(engine_reports),
             )
         )
     return out
 
+
+#: What agents report: nothing (an older agent), vllm at some version, or vllm missing.
+engine_reports = st.sampled_from(
+    (
+        {},
+        {"vllm": EngineView("0.17.1")},
+        {"vllm": EngineView("0.18.0")},
+        {"vllm": EngineView("0.33.0")},
+        {"vllm": EngineView(error="vllm: command not found")},
+    )
+)
+engine_constraints = st.sampled_from(("", "", ">=0.18", "<0.18", ">=0.18,<0.33"))
 
 model_names = st.lists(st.sampled_from(("a", "b", "c", "d", "e", "a-r1")), unique=True, max_size=5)
 selectors = st.sampled_from(({}, {}, {"zone": "a"}, {"tier": "b"}))
@@ -617,6 +700,8 @@ def catalogs(draw: st.DrawFn) -> list[ModelSpec]:
             selector=draw(selectors),
             nodes_per_replica=draw(replica_sizes),
             master_port_offset=draw(offsets),
+            engine="vllm",
+            engine_version=draw(engine_constraints),
         )
         for name in draw(model_names)
     ]
@@ -720,6 +805,7 @@ def check_invariants(
                 assert not set(shard.gpu_indices) & n.held_gpus, "a held GPU given to a new placement"
                 assert not set(ports) & n.held_ports, "a held port given to a new placement"
                 assert all(n.labels.get(k) == v for k, v in spec.selector.items())
+                assert not engine_version_problem(spec.engine, spec.engine_version, n.engines)
                 by_index = {g.index: g for g in n.gpus}
                 for g in shard.gpu_indices:
                     assert by_index[g].memory_total_mib >= spec.min_gpu_memory_mib
