@@ -24,6 +24,22 @@
     client_ca = "nodes-ca.pem"
     require_client_cert = true
 
+    metrics_key = "..."            # optional: the router's /metrics wants Authorization: Bearer KEY
+                                   # (without it, /metrics answers loopback clients only)
+    router_header_timeout = 10.0   # a client's request head must arrive within this (slowloris)
+    router_client_idle_timeout = 75.0   # an idle keep-alive client connection is closed after it
+    router_max_connections = 10000 # client connections over it get a 503 and are closed
+
+    [api]                          # the admin API (`ctl`); without tokens it answers loopback only
+    read_tokens = ["..."]          # bearer tokens that may read: nodes, replicas, why, logs
+    admin_tokens = ["..."]         # bearer tokens that may also write: cordon, drain, uncordon
+    hosts = ["cp.example.internal"]     # Host names it answers to besides its listen address
+    [api.tls]                      # optional: HTTPS, and with client_ca + require_client_cert mTLS
+    cert = "api.pem"
+    key = "api.key"
+    client_ca = "operators-ca.pem"
+    require_client_cert = true
+
     [liveness]
     unreachable_after = 15.0       # 3 missed heartbeats at the agents' default 5 s
     lost_after = 300.0
@@ -76,7 +92,14 @@ from cattrs.v import format_exception
 
 import schema
 from control.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
-from control.router import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
+from control.router import (
+    DEFAULT_CLIENT_IDLE_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_RESPONSE_TIMEOUT,
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    ClientLimits,
+)
 
 
 class ConfigError(Exception):
@@ -104,6 +127,11 @@ class FieldProblem(ValueError):
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
         raise FieldProblem(attribute.name, f"{attribute.name} must be greater than 0, got {value}")
+
+
+def _at_least_one(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise FieldProblem(attribute.name, f"{attribute.name} must be at least 1, got {value}")
 
 
 def _coalesce(_: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -290,6 +318,68 @@ class TLSConfig:
     require_client_cert: bool = False
 
 
+#: The shortest admin API token accepted: 16 characters (``openssl rand -hex 16`` gives 32), so a
+#: token cannot be guessed by trying, which the API does not rate-limit.
+MIN_TOKEN_CHARS = 16
+
+
+def _tokens(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
+    for i, token in enumerate(value):
+        if len(token) < MIN_TOKEN_CHARS or token != token.strip():
+            raise FieldProblem(
+                (attribute.name, i),
+                f"{attribute.name}[{i}] must be at least {MIN_TOKEN_CHARS} characters without blanks "
+                f"around them (got {len(token)}); make one with `openssl rand -hex 16`",
+            )
+
+
+def _host_names(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
+    for i, host in enumerate(value):
+        if not (_HOSTNAME.fullmatch(host) or _is_ipv4(host) or _is_ipv6(host.strip("[]"))):
+            raise FieldProblem(
+                (attribute.name, i),
+                f"{attribute.name}[{i}] {host!r} is not a host name; write the name clients put in "
+                "the URL, without port or scheme, e.g. 'cp.example.internal'",
+            )
+
+
+def _optional_secret(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value and (len(value) < MIN_TOKEN_CHARS or value != value.strip()):
+        raise FieldProblem(
+            attribute.name,
+            f"{attribute.name} must be empty or at least {MIN_TOKEN_CHARS} characters without blanks "
+            f"around them (got {len(value)}); make one with `openssl rand -hex 16`",
+        )
+
+
+@attrs.frozen
+class AdminApi:
+    """Who may use the admin API (``[api]``): bearer tokens in two roles, the Host names it answers
+    to, and optional TLS. No token at all: it answers loopback clients only, with a start-up
+    warning (control/api.py says why each check exists)."""
+
+    #: May read: every GET (nodes, replicas, why, logs, drain progress).
+    read_tokens: tuple[str, ...] = attrs.field(default=(), validator=_tokens)
+    #: May read and write: cordon, drain, uncordon and every other POST.
+    admin_tokens: tuple[str, ...] = attrs.field(default=(), validator=_tokens)
+    #: Host header names the API answers to besides its listen address, localhost and IP literals
+    #: (a name not listed is refused: that is what stops DNS rebinding).
+    hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_names)
+    tls: TLSConfig | None = None
+
+    def __attrs_post_init__(self) -> None:
+        both = sorted(set(self.read_tokens) & set(self.admin_tokens))
+        if both:
+            raise FieldProblem(
+                "read_tokens",
+                f"read_tokens[{self.read_tokens.index(both[0])}] is also in admin_tokens; a token has one role",
+            )
+
+    @property
+    def has_tokens(self) -> bool:
+        return bool(self.read_tokens or self.admin_tokens)
+
+
 @attrs.frozen
 class Liveness:
     unreachable_after: float = attrs.field(default=15.0, validator=_positive)
@@ -461,6 +551,17 @@ class ControlConfig:
     #: mid-stream) and the replica is ejected. Why these defaults: control/router.py.
     router_response_timeout: float = attrs.field(default=DEFAULT_RESPONSE_TIMEOUT, validator=_positive)
     router_stream_idle_timeout: float = attrs.field(default=DEFAULT_STREAM_IDLE_TIMEOUT, validator=_positive)
+    #: The router's client connections: the head of a request must arrive within
+    #: ``router_header_timeout`` of its first byte (of the connection, for its first request), an
+    #: idle keep-alive connection is closed after ``router_client_idle_timeout``, and connections
+    #: over ``router_max_connections`` get a 503 and are closed. Why these defaults: ClientLimits.
+    router_header_timeout: float = attrs.field(default=DEFAULT_HEADER_TIMEOUT, validator=_positive)
+    router_client_idle_timeout: float = attrs.field(default=DEFAULT_CLIENT_IDLE_TIMEOUT, validator=_positive)
+    router_max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least_one)
+    #: The key the router's /metrics wants (Authorization: Bearer KEY); "": loopback clients only.
+    metrics_key: str = attrs.field(default="", validator=_optional_secret)
+    #: The admin API's tokens, Host names and TLS.
+    api: AdminApi = AdminApi()
     #: Seconds between SIGTERM and SIGKILL in StopShard; drain deadline for `ctl drain`.
     stop_grace: float = attrs.field(default=30.0, validator=_positive)
     drain_deadline: float = attrs.field(default=60.0, validator=_positive)
@@ -486,6 +587,15 @@ class ControlConfig:
                 "is empty, but a catalog without [[models]] is a router-only run: give the router an "
                 "address, e.g. '0.0.0.0:8080'",
             )
+
+    @property
+    def router_client_limits(self) -> ClientLimits:
+        """The router's limits on its client connections, as ``Router(client_limits=...)`` takes them."""
+        return ClientLimits(
+            header_timeout=self.router_header_timeout,
+            idle_timeout=self.router_client_idle_timeout,
+            max_connections=self.router_max_connections,
+        )
 
     @property
     def runs_control_plane(self) -> bool:

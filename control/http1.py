@@ -20,6 +20,10 @@ What an HTTP/1.1 server owes its clients, and where it is done here
   not when the declared length is over the limit (413 instead, without reading the body).
 - Limits: the request head (64 KiB: 431) and the body (``max_body_bytes``: 413). What a client
   pipelines ahead of the response in progress is not read until that response ends.
+- Time limits (``ClientConn.next_request``): a request's head must be complete within the header
+  timeout of its first byte, a new connection's first head within it of the accept (a slowloris
+  client, sending its head a byte at a time, is closed then); a connection idle between requests
+  is closed after the idle timeout, and so is a body that falls silent that long.
 - A request that cannot be read gets an OpenAI-shaped error and ``connection: close``; the router
   then stops sending and reads what is left for up to a second before closing, so that the
   client's unsent bytes do not turn the close into a reset that destroys the error response.
@@ -44,6 +48,11 @@ from control.relay import RECEIVE_SIZE
 
 #: Largest request head (request line and headers) the router reads.
 MAX_REQUEST_HEAD = 64 * 1024
+
+#: ``RequestReader.phase``: nothing of a next request read, a head in progress, a body in progress.
+IDLE = "idle"
+HEAD = "head"
+BODY = "body"
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
@@ -99,6 +108,15 @@ class RequestReader:
         self._http11 = True
         self._keep_alive = True
         self._method = b""
+        self._in_body = False
+
+    @property
+    def phase(self) -> str:
+        """Where the request being read stands: ``HEAD`` from its first byte until its head is
+        complete, ``BODY`` until its body is, else ``IDLE`` (nothing of a next request yet)."""
+        if self._in_head:
+            return HEAD
+        return BODY if self._in_body else IDLE
 
     @property
     def done(self) -> bool:
@@ -148,6 +166,7 @@ class RequestReader:
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._in_body = True
         if self._head_size > self.max_head:
             self._fail(431, f"request header block over {self.max_head} bytes")
             return
@@ -173,6 +192,7 @@ class RequestReader:
 
     def on_message_complete(self) -> None:
         self.continue_wanted = False
+        self._in_body = False
         if self.error is not None:
             return
         body = b"".join(self._body)
@@ -199,19 +219,31 @@ class ClientConn:
     client closes, or its connection breaks, it is cancelled at once: the response in progress
     ends (closing its engine connection is how the engine learns the client left), and so does
     the connection. While ``next_request`` waits for a request, the same scope's deadline is the
-    idle timeout. Nothing is started, stopped or re-registered per request: an earlier design
+    header timeout (a head in progress, or a new connection's first), or the idle timeout (between
+    requests, or a body's silence); ``timed_out`` then says which fired. Nothing is started, stopped or re-registered per request: an earlier design
     read the socket from a watcher task during each response, and stopping it (a cancellation
     and a task switch) cost 130 us on the way to the next request; a cancel scope of its own per
     request and per response cost another 30 us (two scopes, entered and left)."""
 
     def __init__(
-        self, stream: trio.SocketStream, reader: RequestReader, scope: trio.CancelScope, idle_timeout: float
+        self,
+        stream: trio.SocketStream,
+        reader: RequestReader,
+        scope: trio.CancelScope,
+        idle_timeout: float,
+        header_timeout: float = math.inf,
     ) -> None:
         self.stream = stream
         self.fd = stream.socket.fileno()
         self.reader = reader
         self.scope = scope
         self.idle_timeout = idle_timeout
+        self.header_timeout = header_timeout
+        #: When the head being read must be complete: the first one's counts from the accept (and
+        #: is never later than an idle connection's), a later one's from its first byte.
+        self._head_deadline: float | None = trio.current_time() + min(header_timeout, idle_timeout)
+        #: The phase (``HEAD``, ``IDLE``, ``BODY``) whose time limit closed the connection, or "".
+        self.timed_out = ""
         self.eof = False
         self._continued = False
         self._hangup = select.epoll(1)
@@ -234,10 +266,12 @@ class ClientConn:
         reader = self.reader
         scope = self.scope
         waited = False
+        idle_until = math.inf
         try:
             while True:
                 if reader.ready:
                     self._continued = False
+                    self._head_deadline = None
                     return reader.take()
                 if reader.error is not None:
                     raise reader.error
@@ -253,10 +287,25 @@ class ClientConn:
                     # response ends finds the router here.
                     data = os.read(self.fd, RECEIVE_SIZE)
                 except BlockingIOError:
-                    if not waited:
-                        waited = True
-                        scope.deadline = trio.current_time() + self.idle_timeout
-                    await trio.lowlevel.wait_readable(self.fd)
+                    waited = True
+                    now = trio.current_time()
+                    phase = reader.phase
+                    if phase == BODY:
+                        scope.deadline = now + self.idle_timeout  # a body's silence
+                    elif phase == HEAD or self._head_deadline is not None:  # or a new connection
+                        if self._head_deadline is None:  # a later request's head: from its first byte
+                            self._head_deadline = now + self.header_timeout
+                        scope.deadline = self._head_deadline
+                    else:
+                        if idle_until == math.inf:
+                            idle_until = now + self.idle_timeout
+                        scope.deadline = idle_until
+                    try:
+                        await trio.lowlevel.wait_readable(self.fd)
+                    except trio.Cancelled:
+                        if not self.eof and trio.current_time() >= scope.deadline:
+                            self.timed_out = phase
+                        raise
                     continue
                 except OSError:  # reset by the client
                     data = b""

@@ -59,7 +59,9 @@ Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 ba
 401 bad or missing bearer key (when keys are configured), 404 unknown model (naming the known ones),
 503 no ready replica (with placement's reason), 502 every attempted upstream failed, 504 the
 engine went silent (``_timed_out``).
-``GET /metrics`` (Prometheus text) and ``GET /health`` need no key.
+``GET /health`` needs no key; ``GET /metrics`` (Prometheus text) wants ``metrics_key`` as a bearer
+token when one is set, and answers loopback clients only when none is (``_authorize_metrics``).
+Idle and slow clients are bounded by ``ClientLimits``: a header timeout, an idle timeout, a cap.
 
 No global state: every counter, pool and table belongs to one ``Router``.
 """
@@ -71,10 +73,12 @@ import errno
 import fcntl
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import random
+import resource
 import select
 import socket
 import struct
@@ -754,6 +758,85 @@ class _Pool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Idle and slow clients: the header timeout, the idle timeout and the connection cap
+
+#: A request's head (request line and headers) must arrive within this many seconds of its first
+#: byte; a new connection's first head within this of the accept. Real clients send a head in one
+#: write, so ten seconds is generous for any network, and a slowloris client (a head sent a byte at
+#: a time) holds its connection ten seconds, not for ever.
+DEFAULT_HEADER_TIMEOUT = 10.0
+#: An idle keep-alive connection (between requests) is closed after this many seconds. Longer than
+#: the 60 s idle timeout of the load balancers that sit in front of routers (the balancer, not the
+#: router, should close first, or it may send a request on a connection the router is closing),
+#: the same as nginx's keepalive_timeout; clients' own pools (httpx: 5 s) close theirs sooner.
+DEFAULT_CLIENT_IDLE_TIMEOUT = 75.0
+#: Client connections served at once. Each costs two descriptors (the socket and its hang-up
+#: watch) and one more while its request is relayed; 10,000 is far above what one router's
+#: engines answer at once, and a router whose descriptor limit is lower lowers it (``serve``).
+DEFAULT_MAX_CONNECTIONS = 10_000
+
+
+@attrs.frozen
+class ClientLimits:
+    """What idle and slow clients may cost the router.
+
+    Over ``max_connections`` a connection is answered ``503`` with ``retry-after: 1`` and closed,
+    not queued: routers run several behind a load balancer, and a fast refusal lets the balancer
+    or the client (the OpenAI SDKs retry 503 with backoff) go elsewhere, where a queue (a paused
+    accept) would leave them waiting in the kernel's backlog with no answer and no way to tell an
+    overloaded router from a dead one."""
+
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    idle_timeout: float = DEFAULT_CLIENT_IDLE_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("header_timeout", "idle_timeout"):
+            value = getattr(self, name)
+            if not value > 0:  # also refuses NaN
+                raise ValueError(f"the router's client {name} must be more than 0 seconds, got {value}")
+        if self.max_connections < 1:
+            raise ValueError(f"the router's max_connections must be at least 1, got {self.max_connections}")
+
+
+#: Descriptors per client connection: its socket, its hang-up watch, and an engine connection.
+_FDS_PER_CONNECTION = 3
+#: Descriptors kept for everything else: listeners, pooled engine connections, logs, the pump.
+_FDS_RESERVED = 256
+
+
+def connection_cap(wanted: int) -> int:
+    """The connection cap this process's descriptor limit allows, ``wanted`` or less. The soft
+    limit is raised towards the hard one first (as Go's runtime does at start: the soft default of
+    1,024 is a relic of select()); if even the hard limit is short, one warning says so and the
+    cap is lowered, so that over-cap clients get a 503 rather than an accept loop out of
+    descriptors."""
+    need = wanted * _FDS_PER_CONNECTION + _FDS_RESERVED
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted
+    cap = max(1, (soft - _FDS_RESERVED) // _FDS_PER_CONNECTION)
+    log.warning(
+        "router: router_max_connections %d needs %d descriptors, this process may open %d (hard limit "
+        "%s); serving at most %d client connections: raise the limit (LimitNOFILE= in the unit, "
+        "ulimit -n) to serve more",
+        wanted,
+        need,
+        soft,
+        "unlimited" if hard == resource.RLIM_INFINITY else hard,
+        cap,
+    )
+    return cap
+
+
+# ---------------------------------------------------------------------------------------------
 # Silent engines: the response and stream idle timeouts
 
 #: Until an engine's first response byte, from sending it the request. A non-streamed answer's
@@ -877,6 +960,13 @@ class Metrics:
         self.disconnects: dict[str, int] = {}
         self.ejections: dict[tuple[str, str], int] = {}
         self.ttfb: dict[str, list[float]] = {}  # model -> bucket counts..., then sum, then count
+        #: Client connections the router ended for a limit: header, idle, body, over_capacity.
+        self.clients_closed: dict[str, int] = {}
+        #: Client connections open (``Router.connections``), set before each exposition.
+        self.client_connections = 0
+
+    def client_closed(self, reason: str) -> None:
+        self.clients_closed[reason] = self.clients_closed.get(reason, 0) + 1
 
     def request(self, model: str, status: int | str) -> None:
         key = (model, str(status))
@@ -970,6 +1060,16 @@ class Metrics:
             "is not read until the client drains).",
         )
         out.append(f"llmgw_router_streams_client_blocked {blocked}")
+        family("llmgw_router_client_connections", "gauge", "Client connections open.")
+        out.append(f"llmgw_router_client_connections {self.client_connections}")
+        family(
+            "llmgw_router_client_connections_closed_total",
+            "counter",
+            "Client connections the router ended for a limit: head too slow (head), idle too long "
+            "(idle), a body silent too long (body), over router_max_connections (over_capacity).",
+        )
+        for reason, n in sorted(self.clients_closed.items()):
+            out.append(f'llmgw_router_client_connections_closed_total{{reason="{reason}"}} {n}')
         wakeups, pauses, reads = pump.counters()
         family(
             "llmgw_router_relay_wakeups_total",
@@ -1030,7 +1130,9 @@ class Router:
     engine's first response byte) and ``stream_idle_timeout`` (the longest silence once the
     response began; see ``DEFAULT_RESPONSE_TIMEOUT`` and ``_timed_out``), ``pool_max_idle`` and
     ``pool_idle_timeout`` (below the engines' keep-alive timeout: uvicorn's is 5 s),
-    ``client_idle_timeout`` (an idle client connection is closed after it), ``max_body_bytes``,
+    ``client_limits`` (the header timeout, the idle timeout and the connection cap: ``ClientLimits``;
+    ``client_idle_timeout`` overrides its idle timeout), ``metrics_key`` (``GET /metrics`` wants
+    ``Authorization: Bearer`` it; without one, /metrics answers loopback clients only), ``max_body_bytes``,
     ``relay_coalesce_us`` (the native relay pump's pause after each wake-up, so that the tokens
     one decode step writes to many streams share a wake-up: a token may wait that long, a
     stream's first one included when it comes during a pause; 0 turns it off; see
@@ -1052,7 +1154,9 @@ class Router:
         stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
         pool_max_idle: int = 1024,
         pool_idle_timeout: float = 4.0,
-        client_idle_timeout: float = 300.0,
+        client_limits: ClientLimits | None = None,
+        client_idle_timeout: float | None = None,
+        metrics_key: str = "",
         max_body_bytes: int = 32 * 1024 * 1024,
         relay_coalesce_us: int = DEFAULT_COALESCE_US,
         clock: Callable[[], float] = trio.current_time,
@@ -1073,7 +1177,14 @@ class Router:
         # 10% of its length, and at most a second (a tick costs a getsockopt per request in flight).
         self.stall_tick = min(1.0, max(0.01, min(response_timeout, stream_idle_timeout) / 10))
         self._watches: set[_Watch] = set()
-        self.client_idle_timeout = client_idle_timeout
+        limits = client_limits or ClientLimits()
+        if client_idle_timeout is not None:
+            limits = attrs.evolve(limits, idle_timeout=client_idle_timeout)
+        self.client_limits = limits
+        #: Client connections open now (``_handle_connection``), against ``client_limits.max_connections``.
+        self.connections = 0
+        self.max_connections = limits.max_connections
+        self.metrics_key = metrics_key.encode()
         self.max_body_bytes = max_body_bytes
         self.clock = clock
         self.balancer = Balancer(
@@ -1092,6 +1203,7 @@ class Router:
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Listen on ``host:port`` (0: the kernel picks), report the bound port, serve until cancelled."""
+        self.max_connections = connection_cap(self.client_limits.max_connections)
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = int(listeners[0].socket.getsockname()[1])
         try:
@@ -1158,14 +1270,21 @@ class Router:
         return verdict
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
+        if self.connections >= self.max_connections:
+            await self._over_capacity(stream)
+            return
+        self.connections += 1
         reader = RequestReader(max_body=self.max_body_bytes)
         client: ClientConn | None = None
+        limits = self.client_limits
         try:
             async with trio.open_nursery() as nursery:
                 # The nursery's scope is the connection's: the watcher task cancels it when the
-                # client hangs up, and next_request sets its deadline to the idle timeout.
+                # client hangs up, and next_request sets its deadline to the header or idle timeout.
                 try:
-                    client = ClientConn(stream, reader, nursery.cancel_scope, self.client_idle_timeout)
+                    client = ClientConn(
+                        stream, reader, nursery.cancel_scope, limits.idle_timeout, limits.header_timeout
+                    )
                 except OSError as exc:  # no descriptor left for its hang-up watch
                     log.warning("router: refusing a client connection: %s", exc)
                     return
@@ -1173,8 +1292,41 @@ class Router:
                 await self._serve_client(client)
                 nursery.cancel_scope.cancel()
         finally:
+            self.connections -= 1
             if client is not None:
                 client.close()
+                if client.timed_out:
+                    self.metrics.client_closed(client.timed_out)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _over_capacity(self, stream: trio.SocketStream) -> None:
+        """A connection over ``max_connections``: a 503 that says so, then closed (``ClientLimits``
+        says why not queued). Counted in /metrics, not logged: a flood would be a flood of lines.
+        The client's request is read and dropped for up to a second after the answer, so that
+        closing does not reset the connection before the client has read the 503."""
+        self.metrics.client_closed("over_capacity")
+        body = RouterError(
+            503,
+            f"the router has {self.connections} client connections, its limit "
+            "(router_max_connections); retry, or raise the limit",
+            "server_error",
+            "too_many_connections",
+        ).body()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", b"1"),
+        ]
+        try:
+            with trio.move_on_after(1.0):
+                await stream.send_all(response_head(503, headers, close=True) + body)
+                await stream.send_eof()
+                while await stream.receive_some(RECEIVE_SIZE):
+                    pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
@@ -1218,6 +1370,8 @@ class Router:
                 if path == b"/health":
                     await self._send(ex, 200, b'{"status":"ok"}\n')
                 else:
+                    self._authorize_metrics(ex)
+                    self.metrics.client_connections = self.connections
                     data = self.metrics.exposition(self.balancer, self.pool, self.pump, self.clock())
                     await self._send(ex, 200, data, b"text/plain; version=0.0.4; charset=utf-8")
                 return
@@ -1280,6 +1434,41 @@ class Router:
             )
         if not ok:
             raise RouterError(401, "incorrect API key", "invalid_request_error", "invalid_api_key")
+
+    def _authorize_metrics(self, ex: _Exchange) -> None:
+        """``/metrics`` names every replica's URL and the traffic per model: with ``metrics_key``
+        it wants that key as a bearer token, and without one it answers loopback clients only (a
+        scraper elsewhere needs the key configured; Prometheus sends it with ``authorization``)."""
+        if self.metrics_key:
+            given = b""
+            for name, value in ex.request.headers:
+                if name == b"authorization":
+                    scheme, _, token = value.partition(b" ")
+                    if scheme.lower() == b"bearer":
+                        given = token.strip()
+            if not hmac.compare_digest(self.metrics_key, given):
+                raise RouterError(
+                    401,
+                    "/metrics wants the metrics key: send Authorization: Bearer KEY (metrics_key in llmgw.toml)",
+                    "invalid_request_error",
+                    "invalid_api_key",
+                )
+            return
+        try:
+            peer = ex.client.stream.socket.getpeername()[0]
+            address = ipaddress.ip_address(peer)
+        except (OSError, ValueError):
+            address = None
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if address is None or not address.is_loopback:
+            raise RouterError(
+                403,
+                "/metrics answers only this machine while no metrics_key is set; set metrics_key in "
+                "llmgw.toml (--metrics-key for a router-only run) and scrape with Authorization: Bearer KEY",
+                "permission_error",
+                "forbidden",
+            )
 
     def _models_body(self) -> bytes:
         data = [
@@ -1795,10 +1984,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{DEFAULT_STREAM_IDLE_TIMEOUT:g}); past it the stream ends with an error event and the "
         "replica is ejected",
     )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        metavar="SECONDS",
+        help=f"a request's head must arrive within this of its first byte, a new connection's first "
+        f"within this of the accept (default {DEFAULT_HEADER_TIMEOUT:g}; slowloris clients are closed)",
+    )
+    parser.add_argument(
+        "--client-idle-timeout",
+        type=float,
+        default=DEFAULT_CLIENT_IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"an idle keep-alive client connection is closed after this (default {DEFAULT_CLIENT_IDLE_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"client connections over N get a 503 and are closed (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--metrics-key",
+        default=os.environ.get("LLMGW_ROUTER_METRICS_KEY", ""),
+        metavar="KEY",
+        help="GET /metrics wants Authorization: Bearer KEY (or LLMGW_ROUTER_METRICS_KEY, which keeps it "
+        "out of ps); without one /metrics answers loopback clients only",
+    )
     args = parser.parse_args(argv)
+    if args.max_connections < 1:
+        parser.error(f"--max-connections must be at least 1, got {args.max_connections}")
     for flag, value in (
         ("--response-timeout", args.response_timeout),
         ("--stream-idle-timeout", args.stream_idle_timeout),
+        ("--header-timeout", args.header_timeout),
+        ("--client-idle-timeout", args.client_idle_timeout),
     ):
         if not value > 0:
             parser.error(f"{flag} must be more than 0 seconds, got {value:g}")
@@ -1817,6 +2039,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             relay_coalesce_us=args.relay_coalesce_us,
             response_timeout=args.response_timeout,
             stream_idle_timeout=args.stream_idle_timeout,
+            client_limits=ClientLimits(
+                header_timeout=args.header_timeout,
+                idle_timeout=args.client_idle_timeout,
+                max_connections=args.max_connections,
+            ),
+            metrics_key=args.metrics_key,
         )
     except (RuntimeError, ValueError) as exc:  # the relay pump asked for (LLMGW_RELAY, coalescing), timeouts
         parser.error(str(exc))
