@@ -48,6 +48,22 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def engines_cell(engines: list[dict[str, str]]) -> str:
+    """``ctl nodes``' ENGINES column: each installed engine with its version, then those the node
+    lacks ("sim 0.18.0, vllm 0.18.0; missing: sglang, trtllm"); an engine whose version could not
+    be read is "NAME ?" (``--json`` has every reason in full)."""
+    found, missing = [], []
+    for e in engines:
+        if e["version"]:
+            found.append(f"{e['engine']} {e['version']}")
+        elif "command not found" in e["error"] or "not installed" in e["error"]:
+            missing.append(e["engine"])
+        else:
+            found.append(f"{e['engine']} ?")
+    text = ", ".join(found) or ("none" if engines else "-")
+    return text + (f"; missing: {', '.join(missing)}" if missing else "")
+
+
 def render(command: str, doc: Any) -> str:
     if command == "nodes":
         rows = [
@@ -59,11 +75,14 @@ def render(command: str, doc: Any) -> str:
                 n["gpu_model"] or "-",
                 ",".join(n["fabrics"]) or "-",
                 n["mgmt_addr"],
+                engines_cell(n.get("engines", [])),
                 n["reason"] + (f"; discovery: {n['discovery_error']}" if n["discovery_error"] else ""),
             ]
             for n in doc
         ]
-        return _table(rows, ["NODE", "STATE", "SINCE", "GPUS FREE", "GPU", "FABRICS", "ADDRESS", "REASON"])
+        return _table(
+            rows, ["NODE", "STATE", "SINCE", "GPUS FREE", "GPU", "FABRICS", "ADDRESS", "ENGINES", "REASON"]
+        )
     if command == "replicas":
         rows = []
         for r in doc:

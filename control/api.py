@@ -31,7 +31,7 @@ from hypercorn.trio import serve
 
 import schema
 from control.fleet import LIVE_SHARD_STATES
-from control.plane import ControlPlane, DrainRefused, model_name_of
+from control.plane import ControlPlane, DrainRefused, engine_views, model_name_of
 
 log = logging.getLogger("llmgw.control.api")
 
@@ -72,6 +72,11 @@ def nodes_doc(plane: ControlPlane) -> list[dict[str, Any]]:
                 "gpu_model": reg.gpus[0].name if reg.gpus else "",
                 "fabrics": sorted({f.fabric for f in reg.fabrics}),
                 "labels": dict(reg.labels),
+                # Each engine's version as the agent found it at start, or why it is unknown.
+                "engines": [
+                    {"engine": name, "version": e.version, "error": e.error}
+                    for name, e in engine_views(reg).items()
+                ],
                 "discovery_error": reg.discovery_error,
                 "shards": sorted(node.shards),
                 "history": [

@@ -66,6 +66,7 @@
     min_compute_capability = "8.0"
     [models.profile]
     engine = "vllm"
+    engine_version = ">=0.18"     # optional: only nodes whose vllm satisfies it (PEP 440 specifiers)
     model = "meta-llama/Llama-3.1-70B-Instruct"
     tensor_parallel_size = 4
     dtype = "bfloat16"
@@ -91,6 +92,7 @@ from cattrs.errors import AttributeValidationNote, ForbiddenExtraKeysError
 from cattrs.v import format_exception
 
 import schema
+from control.placement import engine_constraint
 from control.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
 from control.router import (
     DEFAULT_CLIENT_IDLE_TIMEOUT,
@@ -434,8 +436,15 @@ class ProfileConfig:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = attrs.field(factory=dict)
     params_billions: float = 0.0
+    #: PEP 440 specifiers the node's installed engine must satisfy (">=0.18"); "": any version.
+    engine_version: str = ""
 
     def __attrs_post_init__(self) -> None:
+        if self.engine_version:
+            try:
+                engine_constraint(self.engine_version)
+            except ValueError as exc:
+                raise FieldProblem("engine_version", f"engine_version {exc}") from None
         if self.engine in SERVES_MODEL_AS_IS and self.served_model_name:
             names = self.model_names()
             if self.served_model_name not in names:
@@ -467,6 +476,7 @@ class ProfileConfig:
             extra_args=list(self.extra_args),
             env=dict(self.env),
             params_billions=self.params_billions,
+            engine_version=self.engine_version,
         )
 
 

@@ -41,6 +41,7 @@ from control.agentsvc import AgentService
 from control.config import ControlConfig, Listen, ModelConfig
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.placement import (
+    EngineView,
     GpuView,
     ModelSpec,
     NodeView,
@@ -133,6 +134,19 @@ def _held(node: Node) -> tuple[frozenset[int], frozenset[int]]:
         if spec.nnodes > 1 and spec.node_rank == 0 and spec.master_port:
             ports.add(spec.master_port)
     return frozenset(gpus), frozenset(ports)
+
+
+#: Engines and the longest version or error text a node may report (its agent bounds them too).
+_MAX_ENGINES = 16
+_MAX_ENGINE_TEXT = 240
+
+
+def engine_views(reg: schema.Register) -> dict[str, EngineView]:
+    """The engines a node's Register reports, bounded: a node's strings reach tables and logs."""
+    return {
+        e.engine[:32]: EngineView(e.version[:_MAX_ENGINE_TEXT], e.error[:_MAX_ENGINE_TEXT])
+        for e in reg.engines[:_MAX_ENGINES]
+    }
 
 
 def model_name_of(replica_id: str) -> str:
@@ -338,6 +352,8 @@ class ControlPlane:
                 min_compute_capability=m.gpus.compute_capability,
                 selector=dict(m.selector),
                 nodes_per_replica=m.nodes_per_replica,
+                engine=m.profile.engine,
+                engine_version=m.profile.engine_version,
             )
             for m in self.config.models
         ]
@@ -388,6 +404,7 @@ class ControlPlane:
             cordoned=node.cordoned,
             held_gpus=held[0],
             held_ports=held[1],
+            engines=engine_views(reg),
         )
 
     def _adopted(self) -> list[ReplicaPlacement]:

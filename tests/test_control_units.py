@@ -466,3 +466,72 @@ def test_a_drain_that_leaves_a_model_without_a_ready_replica_is_refused_unless_f
     again = ControlPlane(plane.config, clock=lambda: 0.0)
     again.restore()
     assert again.fleet.nodes["n1"].draining and again.fleet.cordons == {"n1": "draining"}
+
+
+ENGINE_VERSION_CONFIG = """\
+[[models]]
+name = "m"
+replicas = 2
+[models.gpus]
+count = 1
+[models.profile]
+engine = "vllm"
+model = "m"
+engine_version = "{constraint}"
+"""
+
+
+def test_engine_version_is_checked_at_load_naming_its_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(ENGINE_VERSION_CONFIG.format(constraint="0.18+"), "llmgw.toml")
+    assert str(info.value) == (
+        "models[0].profile.engine_version '0.18+' is not a PEP 440 version specifier "
+        "(Invalid specifier: '0.18+'); write e.g. '>=0.18' or '>=0.18,<0.34' (llmgw.toml line 9)"
+    )
+    cfg = parse(ENGINE_VERSION_CONFIG.format(constraint=">=0.18,<0.34"))
+    assert cfg.models[0].profile.to_proto().engine_version == ">=0.18,<0.34"
+    assert parse(ENGINE_VERSION_CONFIG.format(constraint=">=b6000").replace("vllm", "llamacpp"))
+
+
+def test_the_plane_places_by_the_versions_nodes_report_and_starts_with_the_constraint(tmp_path: Path) -> None:
+    """Register.engines reaches placement: a constrained model goes to the node whose vllm satisfies
+    it, ``ctl why`` explains the other in the node's own numbers, and the StartShard's profile
+    carries the constraint (the agent's adapters see what the operator asked for)."""
+    import trio
+
+    from control.__main__ import render
+    from control.api import nodes_doc, why_doc
+    from control.plane import ControlPlane
+
+    cfg = parse(f'state_dir = "{tmp_path}"\n' + ENGINE_VERSION_CONFIG.format(constraint=">=0.18"))
+    plane = ControlPlane(cfg, clock=lambda: 0.0)
+    for node_id, vllm in (("gpu01", "0.18.0"), ("gpu07", "0.17.1"), ("gpu09", "")):
+        plane.fleet.registered(
+            schema.Register(
+                node_id=node_id,
+                mgmt_addr="10.0.0.1",
+                engine_ports=schema.PortRange(first=8000, last=8010),
+                gpus=[schema.Gpu(index=0, memory_total_mib=81559)],
+                engines=[
+                    schema.EngineInstall(
+                        engine="vllm", version=vllm, error="" if vllm else "vllm: command not found"
+                    ),
+                    schema.EngineInstall(engine="sglang", error="sglang not installed: no package 'sglang'"),
+                    schema.EngineInstall(engine="sim", version="0.18.0"),
+                ],
+            ),
+            0,
+        )
+    plan = trio.run(plane.replan)
+    assert [r.shards[0].node_id for r in plan.replicas] == ["gpu01"]
+    why = render("why", why_doc(plane, "m"))
+    assert "      gpu07: vllm 0.17.1 does not satisfy >=0.18" in why
+    assert "      gpu09: vllm not installed (vllm: command not found)" in why
+    replica = plan.replicas[0]
+    start = plane.start_spec(replica, replica.shards[0])
+    assert start.profile is not None and start.profile.engine_version == ">=0.18"
+    nodes = render("nodes", nodes_doc(plane))
+    header, *rows = nodes.splitlines()
+    assert "ENGINES" in header
+    assert "vllm 0.18.0, sim 0.18.0; missing: sglang" in rows[0]
+    assert "sim 0.18.0; missing: vllm, sglang" in rows[2]
