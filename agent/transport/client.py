@@ -25,7 +25,7 @@ import math
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Literal, cast
 from urllib.parse import urlsplit
 
 import attrs
@@ -48,6 +48,7 @@ from schema.h2io import (
     H2Transport,
     PeerUnresponsive,
     TransportError,
+    peer_text,
 )
 from schema.rpc import (
     Code,
@@ -70,6 +71,10 @@ class StreamOptions:
     tls: ClientTLS | None = None
     #: TCP connect plus TLS handshake must finish within this many seconds.
     connect_timeout: float = 10.0
+    #: HTTP/2: the server's SETTINGS must arrive within this many seconds of our connection preface.
+    #: Until they do, nothing beyond the preface and our own SETTINGS is sent (no HEADERS with the
+    #: metadata, no Register): a peer that has not spoken HTTP/2 yet is not known to be a control plane.
+    settings_timeout: float = 5.0
     #: Seconds between keepalive PINGs, and how long an answer may take: a black-holed connection is
     #: detected within ``keepalive_interval + keepalive_timeout`` rather than after TCP's minutes.
     keepalive_interval: float = 10.0
@@ -160,17 +165,82 @@ async def _connect_tcp(host: str, port: int, timeout: float) -> trio.SocketStrea
     return tcp
 
 
+#: Where agents connect, for the hints of a connection that reached something else.
+AGENT_PORT_HINT = "agents connect to the control plane's [listen] agents address"
+
+
+def diagnose_answer(first: bytes, *, tls_expected: bool) -> str | None:
+    """What the first bytes a server sent say about a likely mistake, or ``None`` if they fit.
+
+    ``tls_expected``: the bytes are the raw answer to our TLS ClientHello (not the HTTP/2 bytes
+    inside a TLS connection, nor a plaintext connection's). The usual mistakes: a plaintext URL for a TLS port, a TLS URL
+    for a plaintext port, and an agent pointed at the router or the admin API (HTTP/1.1).
+    """
+    if first.startswith(b"HTTP/1."):
+        line = first.split(b"\r\n", 1)[0]
+        return (
+            f"answered with HTTP/1.1 ({peer_text(line, 64)}): is this the router or admin port? "
+            f"{AGENT_PORT_HINT}"
+        )
+    if len(first) >= 2 and first[0] in (0x15, 0x16) and first[1] == 0x03:
+        if tls_expected:
+            return None
+        return "answered with TLS: the port expects TLS; use an https:// (or wss://) server URL"
+    if (
+        tls_expected
+        and len(first) >= 9
+        and first[3] == 0x04
+        and first[4] in (0, 1)
+        and not first[5:9].strip(b"\0")
+    ):
+        # A plaintext HTTP/2 SETTINGS frame (type 4, stream 0) where a TLS record was expected.
+        return (
+            "answered in plaintext HTTP/2: the port does not use TLS; use an http:// server URL "
+            "(or configure TLS on the control plane)"
+        )
+    return None
+
+
+class _Recording(trio.abc.Stream):
+    """The TCP stream under a TLS one, keeping the first bytes the server sent, so that a failed
+    handshake can say what answered instead of TLS (see :func:`diagnose_answer`)."""
+
+    def __init__(self, stream: trio.SocketStream, keep: int = 64) -> None:
+        self.stream = stream
+        self.first = b""
+        self._keep = keep
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = bytes(await self.stream.receive_some(max_bytes))
+        if len(self.first) < self._keep:
+            self.first += data[: self._keep - len(self.first)]
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
 async def _tls_handshake(
     tcp: trio.SocketStream, host: str, tls: ClientTLS, alpn: list[str], timeout: float
-) -> trio.SSLStream[trio.SocketStream]:
-    stream = trio.SSLStream(tcp, tls.context(alpn), server_hostname=tls.server_hostname or host)
+) -> trio.SSLStream[_Recording]:
+    recording = _Recording(tcp)
+    stream = trio.SSLStream(recording, tls.context(alpn), server_hostname=tls.server_hostname or host)
     try:
         with trio.fail_after(timeout):
             await stream.do_handshake()
     except trio.BrokenResourceError as exc:
         await trio.aclose_forcefully(tcp)
         cause = exc.__cause__ or exc
-        raise ConnectionLost(f"TLS handshake with {host} failed: {cause}") from exc
+        hint = diagnose_answer(recording.first, tls_expected=True)
+        raise ConnectionLost(
+            f"TLS handshake with {host} failed: {cause}" + (f"; the server {hint}" if hint else "")
+        ) from exc
     return stream
 
 
@@ -242,8 +312,11 @@ class _H2ClientStream(H2Stream, AgentStream):
     def _raise_final_status(self) -> None:
         if self.http_status not in (None, 200):
             assert self.http_status is not None
-            text = self._body.decode("utf-8", "replace").strip()
-            raise RpcError(http_status_to_code(self.http_status), f"HTTP {self.http_status}: {text}")
+            text = peer_text(self._body.decode("utf-8", "replace").strip())
+            hint = ""
+            if self.http_status in (404, 405):
+                hint = f"; the server does not serve {schema.CONNECT_PATH}: {AGENT_PORT_HINT}"
+            raise RpcError(http_status_to_code(self.http_status), f"HTTP {self.http_status}: {text}{hint}")
         if self.status is not None:
             raise self.status
         if not self.status_seen:
@@ -285,6 +358,7 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
     conn.initiate_connection()
     transport = H2Transport(stream, conn)
     try:
+        await _await_server_settings(transport, f"{host}:{port}", secure, options.settings_timeout)
         stream_id = conn.get_next_available_stream_id()
         content_type = "application/grpc+proto" if options.protocol == "grpc" else "application/connect+proto"
         headers = [
@@ -319,6 +393,99 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
                         await transport.goaway(ErrorCodes.NO_ERROR)
     finally:
         await trio.aclose_forcefully(stream)
+
+
+async def _await_server_settings(transport: H2Transport, where: str, secure: bool, timeout: float) -> None:
+    """Send our connection preface and SETTINGS, then wait for the server's SETTINGS.
+
+    Nothing else leaves before the server has spoken HTTP/2 (and, with TLS, after a verified
+    handshake): the request headers carry the node's metadata and the Register its inventory, and
+    neither is for a peer that has not shown it is an HTTP/2 server. Waiting also tells the usual
+    wrong-port mistakes apart by what answered (:func:`diagnose_answer`), so the agent's reconnect
+    line names the mistake instead of a protocol error. Bounded by ``timeout`` seconds.
+    """
+    await transport.flush()  # the preface and our SETTINGS: h2 has queued nothing else yet
+    unanswered = (
+        f"{where} did not answer our HTTP/2 connection preface within {timeout:g} s (nothing else was "
+        "sent): is it an llmgw control plane? "
+        + ("" if secure else "A TLS port waits silently for a handshake: use an https:// URL there; ")
+        + AGENT_PORT_HINT
+    )
+    head = b""
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                data = bytes(await transport.stream.receive_some(65536))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                cause = exc.__cause__ or exc
+                raise transport.fail(
+                    ConnectionLost(
+                        f"connection to {where} lost before it answered: {cause}{_closed_hint(secure)}"
+                    )
+                ) from exc
+            if not data:
+                hint = diagnose_answer(head, tls_expected=False) if head else None
+                raise transport.fail(
+                    ConnectionLost(
+                        f"{where} closed the connection"
+                        + (f"; it {hint}" if hint else f" before answering HTTP/2{_closed_hint(secure)}")
+                    )
+                )
+            if len(head) < 9:
+                # Judge the first frame header before h2 sees it: h2 would call an HTTP/1.1 answer
+                # or a TLS alert a protocol error, and the mistake behind it would go unnamed.
+                head += data
+                hint = diagnose_answer(head, tls_expected=False)
+                if hint is None and len(head) >= 9 and head[3] != 0x04:
+                    hint = (
+                        f"answered with something that is not HTTP/2 ({peer_text(head[:32])}): "
+                        f"is it an llmgw control plane? {AGENT_PORT_HINT}"
+                    )
+                if hint is not None:
+                    raise transport.fail(ConnectionLost(f"{where} {hint}"))
+                if len(head) < 9:
+                    continue  # too little to judge yet; h2 gets these bytes with the rest
+                data = head
+            try:
+                events = transport.feed(data)
+            except h2.exceptions.ProtocolError as exc:
+                raise transport.fail(
+                    ConnectionLost(f"{where} answered with an HTTP/2 protocol error: {exc}")
+                ) from exc
+            settled = False
+            for event in events:
+                if isinstance(event, h2.events.RemoteSettingsChanged):
+                    settled = True
+                transport.handle_common(event)
+            if transport.error is not None:
+                raise transport.error
+            await transport.flush()  # our SETTINGS ACK
+            if not settled:
+                continue
+            if transport.conn.remote_settings.max_concurrent_streams == 0:
+                # hypercorn's HTTP/1.1-only configuration (the admin API) answers the preface so.
+                raise transport.fail(
+                    ConnectionLost(
+                        f"{where} speaks HTTP/2 but takes no streams (SETTINGS_MAX_CONCURRENT_STREAMS "
+                        f"0): is this the admin API port? {AGENT_PORT_HINT}"
+                    )
+                )
+            return
+    raise transport.fail(PeerUnresponsive(unanswered))
+
+
+def _closed_hint(secure: bool) -> str:
+    if secure:
+        # TLS 1.3 checks our certificate after our side of the handshake is done: a server that
+        # refuses it closes the connection at its first read.
+        return (
+            "; the server closed the TLS connection before answering: it may require a client "
+            "certificate (mutual TLS) that was not presented or that its CA does not trust"
+        )
+    return (
+        ": is it a TLS port (use an https:// URL) or something other than an llmgw control plane? "
+        + AGENT_PORT_HINT
+    )
 
 
 async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
@@ -447,7 +614,7 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
     port = parts.port or (443 if secure else 80)
     path = parts.path if parts.path not in ("", "/") else schema.WEBSOCKET_PATH
     tcp = await _connect_tcp(host, port, options.connect_timeout)
-    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream] = tcp
+    stream: trio.SocketStream | trio.SSLStream[_Recording] = tcp
     if secure:
         stream = await _tls_handshake(
             tcp, host, options.tls or ClientTLS(), ["http/1.1"], options.connect_timeout
@@ -460,7 +627,9 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
                 with trio.fail_after(options.connect_timeout):
                     ws = await trio_websocket.wrap_client_stream(
                         nursery,
-                        stream,
+                        # Typed for an SSLStream straight over a socket; ours has a recorder between
+                        # (see _tls_handshake), which is a trio Stream all the same.
+                        cast("trio.SocketStream | trio.SSLStream[trio.SocketStream]", stream),
                         f"{host}:{port}",
                         path,
                         extra_headers=extra,
