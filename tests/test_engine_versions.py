@@ -18,7 +18,7 @@ import trio
 
 from agent.engines import versions, vllm
 from agent.engines.versions import Installed, Probe, plan_probe, read_version
-from tests.fleet_procs import pid_alive
+from tests.fleet_procs import Agent, ControlProcess, free_port, pid_alive, poll, sim_processes
 
 
 def _script(directory: Path, name: str, body: str) -> Path:
@@ -192,3 +192,86 @@ def test_probe_plans() -> None:
     assert plan_probe("vllm", ("vllm",), ("/opt/v/bin/python",)).argv[0] == "/opt/v/bin/python"
     assert plan_probe("vllm", ("vllm",), None).argv == ("vllm", "--version")
     assert read_version(Probe(("x",), "text"), "vllm version 0.18.1rc2\n", "") == "0.18.1rc2"
+
+
+def test_fleet_a_model_asking_for_a_version_no_node_has_is_explained_and_never_started(
+    tmp_path: Path,
+) -> None:
+    """A real control plane and agent: the agent reports the versions it found (the sim's imitated
+    vLLM, a llama-server that is not there), ``ctl nodes`` shows them, a model that asks for sim
+    ``>=99`` is explained with the node's actual version and nothing is spawned for it, while a
+    model without a constraint runs on the same node."""
+    tag = f"v{os.getpid()}"
+    wanted, plain = f"new-{tag}", f"ok-{tag}"
+    profile = 'engine = "sim"\nmodel = "m"\nenv = { LLMGW_SIM_LOAD_SECONDS = "0.2" }'
+    cp = ControlProcess(
+        tmp_path / "cp",
+        f"""state_dir = "{tmp_path / "cp" / "state"}"
+reconcile_interval = 0.3
+[listen]
+agents = "127.0.0.1:{free_port()}"
+api = "127.0.0.1:0"
+router = "127.0.0.1:0"
+[engines]
+ports = "23800-23899"
+[[models]]
+name = "{wanted}"
+[models.profile]
+{profile}
+engine_version = ">=99"
+[[models]]
+name = "{plain}"
+[models.profile]
+{profile}
+""",
+    )
+    agent = None
+    try:
+        cp.start()
+        agent = Agent(
+            tmp_path / "agents",
+            "gpu07",
+            f"http://127.0.0.1:{cp.agent_port}",
+            None,
+            "ib-a:mlx5_0:1",
+            "127.0.0.1",
+            extra=(
+                "--engine-ports",
+                "23800-23899",
+                "--engines",
+                f"vllm={sys.executable} -m agent.engines.sim;llamacpp=llmgw-no-such-llama-server",
+            ),
+        )
+        agent.start()
+        poll(
+            f"{plain} ready",
+            lambda: [r for r in cp.api("/api/replicas") if r["state"] == "ready"],
+            timeout=60,
+        )
+
+        why = cp.ctl("why", wanted)
+        assert why.returncode == 0, why.stderr
+        assert f"      gpu07: sim {vllm.VERSION} does not satisfy >=99" in why.stdout, why.stdout
+        assert "0/1 nodes are available: 1 do not have sim >=99." in why.stdout
+
+        nodes = cp.ctl("nodes")
+        assert nodes.returncode == 0, nodes.stderr
+        row = next(line for line in nodes.stdout.splitlines() if line.startswith("gpu07"))
+        assert f"vllm {vllm.VERSION}" in row and f"sim {vllm.VERSION}" in row
+        assert "missing: " in row and "llamacpp" in row.split("missing: ", 1)[1]
+        (node,) = cp.api("/api/nodes")
+        reported = {e["engine"]: e for e in node["engines"]}
+        assert reported["llamacpp"] == {
+            "engine": "llamacpp",
+            "version": "",
+            "error": "llmgw-no-such-llama-server: command not found",
+        }
+
+        # Nothing was started for the constrained model: no placement, no engine naming it.
+        assert not [r for r in cp.api("/api/replicas") if r["model"] == wanted and r["shards"]]
+        assert not sim_processes(wanted)
+        assert len(sim_processes(plain)) == 1
+    finally:
+        cp.terminate()
+        if agent is not None:
+            agent.stop_all()
