@@ -275,3 +275,28 @@ name = "{plain}"
         cp.terminate()
         if agent is not None:
             agent.stop_all()
+
+
+async def test_the_agent_builds_every_launch_context_with_the_version_it_found(
+    tmp_path: Path, bin_dir: Path
+) -> None:
+    """The real agent root (``run_agent``): its supervisor's launch contexts carry each engine's
+    version as found at start ("" for one that is missing), before any session exists."""
+    from agent.config import AgentConfig
+    from agent.discovery import Inventory
+    from agent.nursery import run_agent
+
+    _script(bin_dir, "vllm", "echo 0.17.1")
+    config = AgentConfig(
+        node_id="gpu07",
+        server=f"http://127.0.0.1:{free_port()}",  # nothing listens: the sessions just retry
+        mgmt_addr="127.0.0.1",
+        state_dir=tmp_path / "state",
+        engines={"vllm": "vllm", "llamacpp": "llmgw-no-such-llama-server"},
+    )
+    async with trio.open_nursery() as nursery:
+        supervisor = await nursery.start(run_agent, config, Inventory(source="static"))
+        assert supervisor.launch_context("vllm").engine_version == "0.17.1"
+        assert supervisor.launch_context("sim").engine_version == vllm.VERSION
+        assert supervisor.launch_context("llamacpp").engine_version == ""
+        nursery.cancel_scope.cancel()
