@@ -62,9 +62,15 @@ def test_tail_spans_the_boundary_and_hides_secrets(tmp_path: Path) -> None:
     # Just rotated, nothing written since: the previous generation answers alone.
     assert logfiles.rotate(log, 10, 2)
     assert logfiles.tail(log, 3, generations=2) == ["line 9", "line 10 key=s3cr3t", "line 11"]
+    # A key as engines print their arguments is hidden even when the shard's key is not known.
+    log.write_text("args: --api-key abcdef123 --port 1\nnon-default args: {'api_key': 'abcdef123', 'x': 1}\n")
+    assert logfiles.tail(log, 2) == [
+        "args: --api-key *** --port 1",
+        "non-default args: {'api_key': '***', 'x': 1}",
+    ]
     # Fewer lines than asked for in every generation: all of them, oldest first.
     assert logfiles.tail(log, 100, generations=2)[0] == "line 0"
-    assert logfiles.tail(log, 100, generations=0) == []
+    assert len(logfiles.tail(log, 100, generations=0)) == 2  # the live file alone
 
 
 @pytest.fixture

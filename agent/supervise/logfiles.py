@@ -20,6 +20,7 @@ Every function here blocks on the filesystem: the supervisor calls them from a w
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,6 +29,9 @@ from pathlib import Path
 TAIL_READ_BYTES = 256 * 1024
 #: What a secret is replaced with in a tail.
 REDACTED = "***"
+#: A key as engines print their own arguments (``--api-key K``, vLLM's ``'api_key': 'K'``): hidden
+#: even when the shard's key is not known any more (a log read after its shard ended).
+KEY_IN_TEXT = re.compile(r"""(?i)(api[_-]key['"]?(?:\s*[:=]\s*|\s+)['"]?)([^\s'",}]{4,})""")
 
 
 def generation(path: Path, n: int) -> Path:
@@ -90,13 +94,12 @@ def tail(path: Path | None, n: int, *, generations: int = 1, redact: Iterable[st
             break
     lines = lines[-n:]
     secrets = [s for s in redact if s]
-    if secrets:
-        for i, line in enumerate(lines):
-            for secret in secrets:
-                if secret in line:
-                    line = line.replace(secret, REDACTED)
-            lines[i] = line
+    for i, line in enumerate(lines):
+        for secret in secrets:
+            if secret in line:
+                line = line.replace(secret, REDACTED)
+        lines[i] = KEY_IN_TEXT.sub(lambda m: m.group(1) + REDACTED, line)
     return lines
 
 
-__all__ = ["REDACTED", "TAIL_READ_BYTES", "generation", "rotate", "tail"]
+__all__ = ["KEY_IN_TEXT", "REDACTED", "TAIL_READ_BYTES", "generation", "rotate", "tail"]
