@@ -42,6 +42,7 @@ import trio_websocket
 from h2.errors import ErrorCodes
 
 import schema
+from control.transport.bursts import BurstLog
 from schema import framing
 from schema.fastpath import decode_agent_message
 from schema.h2io import H2Stream, H2Transport, StalledMessage, TransportError, peer_text
@@ -104,6 +105,11 @@ class ServerLimits:
     #: connection ends with GOAWAY(ENHANCE_YOUR_CALM) (HTTP/2 rapid reset, CVE-2023-44487).
     max_peer_resets: int = 64
     peer_reset_window: float = 10.0
+    #: Lines that come in bursts (connections closed for sending nothing in time, failed TLS
+    #: handshakes): the first ``log_burst_keep`` of a burst are logged one by one, the rest summed up
+    #: in one line per ``log_burst_interval`` seconds (see :mod:`control.transport.bursts`).
+    log_burst_keep: int = 3
+    log_burst_interval: float = 10.0
 
 
 @attrs.frozen
@@ -424,6 +430,20 @@ class StreamServer:
         self._shutting_down = False
         self._idle = trio.Event()
         self._idle.set()
+        keep, interval = self.limits.log_burst_keep, self.limits.log_burst_interval
+        self._silent_log = BurstLog(
+            log,
+            "closed {count} more connections that sent no TLS handshake or request within "
+            f"{self.limits.handshake_timeout:g} s, in the last {{interval}} s (the last: {{last}})",
+            keep=keep,
+            interval=interval,
+        )
+        self._tls_failure_log = BurstLog(
+            log,
+            "{count} more TLS handshakes failed in the last {interval} s (the last: {last})",
+            keep=keep,
+            interval=interval,
+        )
 
     @property
     def active_streams(self) -> int:
@@ -453,6 +473,8 @@ class StreamServer:
         log.info("agent streams on %s://%s:%d (gRPC, Connect, WebSocket)", self.scheme, host, bound)
         connections_scope = trio.CancelScope(shield=True)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._silent_log.run)
+            nursery.start_soon(self._tls_failure_log.run)
             await nursery.start(self._serve_connections, listeners, connections_scope)
             task_status.started(bound)
             try:
@@ -556,14 +578,14 @@ class StreamServer:
                 if alpn != "h2":
                     prefix = await self._sniff(stream)
         except trio.TooSlowError:
-            log.warning(
+            self._silent_log.note(
                 "%s: no TLS handshake or request within %g s; closing", address, self.limits.handshake_timeout
             )
             await trio.aclose_forcefully(stream)
             return
         except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
             cause = exc.__cause__ or exc
-            log.warning("%s: TLS handshake failed: %s", address, cause)
+            self._tls_failure_log.note("%s: TLS handshake failed: %s", address, cause)
             await trio.aclose_forcefully(stream)
             return
         try:

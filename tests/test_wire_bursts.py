@@ -1,0 +1,96 @@
+"""Crowds at the agent port: each connection closed as before, the log says so once per interval."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import trio
+
+from control.transport import ServerLimits, StreamServer
+from control.transport.bursts import BurstCounter
+from tests.wirepeers import echo_handler
+
+CROWD = 300
+INDIVIDUAL = re.compile(r"127\.0\.0\.1:\d+: no TLS handshake or request within 0\.5 s; closing")
+SUMMARY = re.compile(
+    r"closed ([\d,]+) more connections that sent no TLS handshake or request within 0\.5 s, "
+    r"in the last 2 s \(the last: 127\.0\.0\.1:\d+: no TLS handshake or request within 0\.5 s; closing\)"
+)
+
+
+class _Lines(logging.Handler):
+    """The transport's log lines, and an event set once the crowd is all accounted for."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.accounted = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        if len(self.individual()) + sum(self.summed()) >= CROWD:
+            self.accounted.set()
+
+    def individual(self) -> list[str]:
+        return [line for line in self.lines if INDIVIDUAL.fullmatch(line)]
+
+    def summed(self) -> list[int]:
+        return [int(m.group(1).replace(",", "")) for line in self.lines if (m := SUMMARY.fullmatch(line))]
+
+
+async def test_idle_connections_are_closed_and_logged_once_with_a_count(nursery: trio.Nursery) -> None:
+    logger = logging.getLogger("llmgw.control.transport")
+    handler = _Lines()
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        limits = ServerLimits(handshake_timeout=0.5, log_burst_keep=3, log_burst_interval=2.0)
+        server = StreamServer(echo_handler, limits=limits)
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        conns = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(CROWD)]
+        closed = 0
+
+        async def wait_closed(conn: trio.SocketStream) -> None:
+            nonlocal closed
+            try:
+                assert await conn.receive_some(1) == b""  # the server sends nothing, then closes
+            except trio.BrokenResourceError:
+                pass  # closed with unread data in flight: a reset, closed all the same
+            closed += 1
+
+        with trio.fail_after(20):  # every connection is closed within its timeout, as before
+            async with trio.open_nursery() as waiters:
+                for conn in conns:
+                    waiters.start_soon(wait_closed, conn)
+        assert closed == CROWD
+        for conn in conns:
+            await conn.aclose()
+        with trio.fail_after(10):  # the interval's summary comes when the interval ends
+            await handler.accounted.wait()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    summaries = handler.summed()
+    assert len(handler.individual()) == 3, handler.individual()
+    assert 3 + sum(summaries) == CROWD
+    # One summary per 2 s interval the crowd's timeouts spanned (a few at most), not 297 lines.
+    assert 1 <= len(summaries) <= 4, handler.lines
+    assert len(handler.lines) == 1 + 3 + len(summaries), handler.lines  # with "agent streams on ..."
+
+
+def test_burst_counter_keeps_the_first_and_sums_the_rest_per_interval() -> None:
+    counter = BurstCounter(keep=2, interval=10.0)
+    assert [counter.record(t / 100) for t in range(5)] == [True, True, False, False, False]
+    assert counter.window_end == 10.0
+    assert counter.close_window() == 3
+    # The burst goes on in the next interval: every line is summed, none logged one by one.
+    assert [counter.record(12.0 + t) for t in range(3)] == [False, False, False]
+    assert counter.close_window() == 3
+    # A whole quiet interval after the last window ends the burst: the first lines are logged again.
+    assert counter.record(40.0) and counter.record(41.0) and not counter.record(42.0)
+    assert counter.close_window() == 1
+    # A window with nothing held back sums up nothing.
+    assert counter.record(80.0)
+    assert counter.close_window() == 0
