@@ -10,9 +10,10 @@ engine's own answer:
   metadata as *that* interpreter sees it (``importlib.metadata.version``). It is what the engine's
   own ``--version`` prints, without importing torch and CUDA, which takes tens of seconds;
 - anything else (``llama-server``, ``python -m agent.engines.sim``, a wrapper script): the engine's
-  own ``--version``. llama.cpp prints ``version: 6432 (c4df49a4)``, reported as its build tag
-  ``b6432``; builds from a tree without git history print ``version: 0.5.0-dev (build 1, ...)``
-  instead, reported as ``0.5.0-dev``; the simulator prints the vLLM version it imitates.
+  own ``--version``. llama.cpp prints ``version: 6432 (c4df49a4)`` or, newer, ``version: 0.5.0-dev
+  (build 6432, commit c4df49a4)``, reported as its build tag ``b6432`` (a tree built without git
+  history says ``build 1``: ``b1``, which is also how its flag file is named); the simulator prints
+  the vLLM version it imitates.
 
 Each command runs with a deadline (``TIMEOUT``, all engines at once), in its own process group,
 which is killed whole when the deadline passes: a version command that hangs, or leaves a child
@@ -135,9 +136,9 @@ def read_version(probe: Probe, stdout: str, stderr: str) -> str:
     if probe.reads == "llamacpp":
         semver = _LLAMA_SEMVER.search(both)
         if semver is not None:
-            build = int(semver.group(2))
-            # Build numbers count git commits; 0 or 1 means the tree had no history to count.
-            return f"b{build}" if build > 1 else semver.group(1)
+            # The build number, even where it counts no real history (a tree without git gives
+            # "build 1"): it is the key the flag files use too (enginebuild.flags.llamacpp).
+            return f"b{semver.group(2)}"
         tagged = _LLAMA_BUILD.search(both)
         if tagged is not None:
             return f"b{tagged.group(1)}"
