@@ -3,6 +3,9 @@
 ``ctl`` subcommands (``--api http://127.0.0.1:7080``, or ``LLMGW_API``), each as a readable table or
 with ``--json`` as the API's JSON; ``--api`` and ``--json`` go before or after the subcommand. Exit
 status: 0 done, 1 the operation failed (the API said no, or could not be reached), 2 a usage mistake.
+The admin API's token comes from ``--token-file PATH`` or ``LLMGW_API_TOKEN`` (none: only a control
+plane on this machine without ``[api]`` tokens answers); for HTTPS, ``--cacert`` (or
+``LLMGW_API_CACERT``) and, with mutual TLS, ``--cert``/``--key``.
 
     nodes            every node, its state and why, GPUs free/total, fabrics
     replicas         every placed replica, its shards, where they run and in what state
@@ -26,6 +29,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,7 +154,9 @@ def drain_progress_line(doc: Any) -> str:
     return f"{doc['node_id']}: {len(parts)} shard(s) left: {'; '.join(parts)}"
 
 
-def _drain_wait(api: str, node: str, timeout: float, poll_every: float = 0.5) -> int:
+def _drain_wait(
+    api: str, node: str, timeout: float, poll_every: float = 0.5, *, http: dict[str, Any] | None = None
+) -> int:
     """Show progress lines until nothing runs on ``node`` (0) or ``timeout`` passes (1)."""
     import time
 
@@ -159,7 +165,7 @@ def _drain_wait(api: str, node: str, timeout: float, poll_every: float = 0.5) ->
     last = ""
     while True:
         try:
-            resp = httpx.get(url, timeout=30)
+            resp = httpx.get(url, **(http or {"timeout": 30}))
             doc = resp.json()
         except (httpx.HTTPError, ValueError) as exc:
             print(f"ctl: GET {url}: {exc}", file=sys.stderr)
@@ -196,6 +202,57 @@ def _add_global_options(parser: argparse.ArgumentParser, defaults: bool) -> None
         default=False if defaults else argparse.SUPPRESS,
         help="print the API's JSON",
     )
+    none = None if defaults else argparse.SUPPRESS
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=none,
+        metavar="PATH",
+        help="a file holding the admin API token (default: $LLMGW_API_TOKEN; none: only a control plane "
+        "on this machine without [api] tokens answers)",
+    )
+    parser.add_argument(
+        "--cacert",
+        type=Path,
+        default=Path(os.environ["LLMGW_API_CACERT"])
+        if defaults and os.environ.get("LLMGW_API_CACERT")
+        else none,
+        metavar="PATH",
+        help="https: the CA that signs the admin API's certificate (default: $LLMGW_API_CACERT, else the system's)",
+    )
+    parser.add_argument(
+        "--cert",
+        type=Path,
+        default=none,
+        metavar="PATH",
+        help="https with [api.tls] client_ca: this client's certificate (PEM; with --key, or the key inside it)",
+    )
+    parser.add_argument(
+        "--key", type=Path, default=none, metavar="PATH", help="the private key of --cert, if not inside it"
+    )
+
+
+def _http_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What every request of this ``ctl`` run carries: the bearer token (``--token-file``, else
+    ``$LLMGW_API_TOKEN``) and the TLS settings. Raises ``ValueError`` naming the file it cannot read."""
+    token = os.environ.get("LLMGW_API_TOKEN", "").strip()
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ValueError(f"--token-file {args.token_file}: cannot read it: {reason}") from exc
+        if not token:
+            raise ValueError(f"--token-file {args.token_file} is empty; put the admin API token in it")
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    options: dict[str, Any] = {"headers": headers, "timeout": 30}
+    if args.cacert is not None:
+        options["verify"] = ssl.create_default_context(cafile=str(args.cacert))
+    if args.cert is not None:
+        context = options.get("verify") or ssl.create_default_context()
+        context.load_cert_chain(str(args.cert), str(args.key) if args.key else None)
+        options["verify"] = context
+    return options
 
 
 def ctl(argv: Sequence[str]) -> int:
@@ -224,6 +281,11 @@ def ctl(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not re.fullmatch(r"https?://[^/\s?#]+/?", args.api):
         parser.error(f"--api {args.api!r} is not the admin API's URL; write it as http://HOST:PORT")
+    try:
+        http = _http_options(args)
+    except (ValueError, OSError) as exc:  # ssl.SSLError is an OSError: a bad --cacert, --cert or --key
+        print(f"ctl: {exc}", file=sys.stderr)
+        return 2
     method, path = "GET", f"/api/{args.command}"
     if args.command == "why":
         path += f"/{args.model}"
@@ -235,7 +297,9 @@ def ctl(argv: Sequence[str]) -> int:
         method, path = "POST", f"/api/{args.command}/{args.node}"
     url = args.api.rstrip("/") + path
     try:
-        resp = httpx.request(method, url, timeout=30)
+        # Writes carry a JSON body: the API refuses any other content type for them (see
+        # control/api.py: ApiGuard, why a browser's text/plain POST must not get through).
+        resp = httpx.request(method, url, json={} if method == "POST" else None, **http)
     except httpx.HTTPError as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         print(
@@ -257,7 +321,7 @@ def ctl(argv: Sequence[str]) -> int:
         return 1
     print(json.dumps(doc, indent=2) if args.json else render(args.command, doc), flush=True)
     if args.command == "drain" and args.wait:
-        return _drain_wait(args.api, args.node, args.timeout)
+        return _drain_wait(args.api, args.node, args.timeout, http=http)
     return 0
 
 

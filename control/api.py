@@ -4,8 +4,7 @@ A small ASGI app served by hypercorn over HTTP/1.1 on the admin address (never o
 agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times are reported as
 "seconds ago" on the control plane's monotonic clock, the only clock liveness is judged on.
 
-    GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards,
-                                    engines (each one's version, or why it is unknown)
+    GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards
     GET  /api/replicas              every placed replica and its shards' observed states
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
     GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
@@ -16,23 +15,36 @@ agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times ar
     POST /api/uncordon/NODE         undo a cordon or a drain (replicas already moved stay moved)
 
 Cordons and drains are written to the state file before the answer, so they survive a restart.
+
+Who may ask (``ApiGuard``): a bearer token from ``[api]`` in llmgw.toml, ``read_tokens`` for every
+GET and ``admin_tokens`` for writes too (and for GETs that hand out a secret: ``ADMIN_READS``).
+With no token configured the API answers loopback clients only, and warns at start. Requests with
+an ``Origin`` or a foreign ``Host`` are refused (403), and a write needs ``Content-Type:
+application/json`` (415). ``[api.tls]`` serves HTTPS, with client certificates from its
+``client_ca`` required when ``require_client_cert`` (mutual TLS).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
+import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
 import schema
+from control.config import AdminApi, Listen
 from control.fleet import LIVE_SHARD_STATES
 from control.plane import ControlPlane, DrainRefused, engine_views, model_name_of
+from control.transport import ServerTLS
 
 log = logging.getLogger("llmgw.control.api")
 
@@ -234,7 +246,192 @@ async def logs_doc(plane: ControlPlane, shard_id: str, lines: int) -> dict[str, 
     raise ApiError(503, f"logs of {shard_id} unavailable: {'; '.join(errors)}")
 
 
-def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+# -- who may ask: tokens, roles, Host, Origin, content type ---------------------------------------
+
+#: The two roles: ``read`` may GET, ``admin`` may also write.
+READ = "read"
+ADMIN = "admin"
+#: GET routes that hand out a secret, and so need the admin role: ``/api/token`` (the join token).
+ADMIN_READS = frozenset({("api", "token")})
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def required_role(method: str, parts: list[str]) -> str | None:
+    """The role a request needs: None for ``/healthz`` (it says only that the process answers),
+    ``read`` for a GET or HEAD, ``admin`` for every write and for GETs in ``ADMIN_READS``."""
+    if parts == ["healthz"]:
+        return None
+    if method in ("GET", "HEAD") and tuple(parts[:2]) not in ADMIN_READS:
+        return READ
+    return ADMIN
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+@attrs.define
+class ApiGuard:
+    """Decides whether a request to the admin API is answered, and with which role.
+
+    Why each check exists:
+
+    - ``Origin`` (and ``Sec-Fetch-Site`` other than same-origin or none): a browser adds them to
+      requests a web page makes. ``ctl``, curl and scripts never send them, so any request with one
+      is a web page reaching in (a cross-origin ``text/plain`` POST needs no CORS preflight and
+      would drain a node): refused, 403.
+    - ``Host`` must name the API itself (its listen address, localhost or 127.0.0.1 with its port,
+      any IP literal when it listens on every address, or a name in ``[api] hosts``). A page on
+      an attacker's name that re-resolves to 127.0.0.1 (DNS rebinding) sends its own name: 403.
+    - Bearer tokens (``[api] read_tokens``, ``admin_tokens``), compared in constant time against
+      every token. Without any, the API answers loopback clients only, as admin (a start-up warning
+      says so): one operator's machine, never the network.
+    - A write must say ``Content-Type: application/json`` (415 otherwise): HTML forms cannot send
+      it and a script sending it cross-origin needs a preflight, which the API never answers."""
+
+    read_tokens: tuple[bytes, ...] = ()
+    admin_tokens: tuple[bytes, ...] = ()
+    #: Host names (lower case, no port) that are the API's own.
+    hosts: frozenset[str] = frozenset()
+    #: Listening on every address: any IP literal in ``Host`` is the API's own.
+    any_ip: bool = False
+    #: The port ``Host`` must carry; 0 until bound (then every request is refused).
+    port: int = 0
+    tls: bool = False
+
+    @classmethod
+    def from_config(cls, api: AdminApi, listen_host: str, port: int, *, tls: bool = False) -> ApiGuard:
+        listen_host = listen_host.strip("[]").lower()
+        hosts = {*_LOOPBACK_NAMES, *(h.strip("[]").lower().rstrip(".") for h in api.hosts)}
+        if listen_host not in _WILDCARDS:
+            hosts.add(listen_host)
+        return cls(
+            read_tokens=tuple(t.encode() for t in api.read_tokens),
+            admin_tokens=tuple(t.encode() for t in api.admin_tokens),
+            hosts=frozenset(hosts),
+            any_ip=listen_host in _WILDCARDS,
+            port=port,
+            tls=tls,
+        )
+
+    @property
+    def has_tokens(self) -> bool:
+        return bool(self.read_tokens or self.admin_tokens)
+
+    def _own_host(self, value: str) -> bool:
+        value = value.strip().lower()
+        if value.startswith("["):
+            name, _, rest = value[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ("" if not rest else "x")
+        elif value.count(":") == 1:
+            name, _, port_text = value.partition(":")
+        else:
+            name, port_text = value, ""
+        default = 443 if self.tls else 80
+        if port_text and not port_text.isdigit():
+            return False
+        if (int(port_text) if port_text else default) != self.port:
+            return False
+        name = name.rstrip(".")
+        return name in self.hosts or (self.any_ip and _is_ip(name))
+
+    def check(self, method: str, parts: list[str], headers: dict[bytes, bytes], client: str | None) -> None:
+        """Raise ``ApiError`` (401, 403, 415) unless the request may be answered."""
+        origin = headers.get(b"origin")
+        fetch_site = headers.get(b"sec-fetch-site", b"none").decode(errors="replace").lower()
+        if origin is not None or fetch_site not in ("none", "same-origin"):
+            shown = (
+                origin.decode(errors="replace")[:100]
+                if origin is not None
+                else f"Sec-Fetch-Site: {fetch_site}"
+            )
+            raise ApiError(
+                403,
+                f"cross-site request refused ({shown!r}): the admin API answers ctl and scripts, never a "
+                "web page",
+            )
+        host = headers.get(b"host", b"").decode(errors="replace")
+        if not self._own_host(host):
+            raise ApiError(
+                403,
+                f"Host {host[:100]!r} is not this admin API's address (port {self.port}); use its listen "
+                "address, localhost, or add the name to [api] hosts in llmgw.toml",
+            )
+        needed = required_role(method, parts)
+        if needed is None:
+            return
+        if not self.has_tokens:
+            if client is None or not _is_loopback(client):
+                raise ApiError(
+                    403,
+                    "the admin API answers only this machine while no tokens are configured; set "
+                    "[api] read_tokens / admin_tokens in llmgw.toml and use ctl with LLMGW_API_TOKEN "
+                    "or --token-file",
+                )
+            role = ADMIN
+        else:
+            role = self._role(headers.get(b"authorization", b""))
+        if needed == ADMIN and role != ADMIN:
+            raise ApiError(
+                403,
+                f"{method} /{'/'.join(parts)} needs an admin token; this one may only read "
+                "([api] admin_tokens in llmgw.toml)",
+            )
+        if needed == ADMIN and method not in ("GET", "HEAD"):
+            ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+            if ctype != b"application/json":
+                raise ApiError(
+                    415,
+                    f"a write needs Content-Type: application/json, got {ctype.decode(errors='replace')[:100]!r}",
+                )
+
+    def _role(self, authorization: bytes) -> str:
+        scheme, _, token = authorization.partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token:
+            raise ApiError(
+                401,
+                "this admin API wants a token: Authorization: Bearer TOKEN (ctl: LLMGW_API_TOKEN or "
+                "--token-file)",
+            )
+        # Every token is compared, whatever matched: the time taken says nothing about which is close.
+        admin = read = False
+        for known in self.admin_tokens:
+            admin |= hmac.compare_digest(known, token)
+        for known in self.read_tokens:
+            read |= hmac.compare_digest(known, token)
+        if admin:
+            return ADMIN
+        if read:
+            return READ
+        raise ApiError(401, "unknown admin API token; check LLMGW_API_TOKEN or --token-file")
+
+
+def make_app(
+    plane: ControlPlane, guard: ApiGuard | None = None
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The admin API as an ASGI app; ``guard`` decides who may ask (``serve_api`` builds it from
+    the config once the port is bound)."""
+    if guard is None:
+        host, port = Listen.split(plane.config.listen.api)
+        guard = ApiGuard.from_config(plane.config.api, host, port)
+    checked = guard
+
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while True:
@@ -251,7 +448,10 @@ def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[
         parts = [p for p in path.split("/") if p]
         status: int = 200
         body: Any = None
+        extra: list[tuple[bytes, bytes]] = []
         try:
+            client = scope.get("client")
+            checked.check(method, parts, dict(scope.get("headers", ())), client[0] if client else None)
             if parts == ["healthz"]:
                 body = {"ok": True}
             elif method == "GET" and parts == ["api", "nodes"]:
@@ -293,6 +493,8 @@ def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[
                 raise ApiError(404, f"no route {method} {path}")
         except ApiError as exc:
             status, body = exc.status, {"error": str(exc)}
+            if exc.status == 401:
+                extra.append((b"www-authenticate", b'Bearer realm="llmgw admin API"'))
         except ValueError as exc:
             status, body = 400, {"error": str(exc)}
         except Exception as exc:
@@ -306,6 +508,7 @@ def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(data)).encode()),
+                    *extra,
                 ],
             }
         )
@@ -317,12 +520,31 @@ def make_app(plane: ControlPlane) -> Callable[[Scope, Receive, Send], Awaitable[
 async def serve_api(
     plane: ControlPlane, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Serve the admin API; reports the bound port."""
+    """Serve the admin API; reports the bound port. With ``[api.tls]`` it is HTTPS, and with its
+    ``client_ca`` and ``require_client_cert`` every client needs a certificate from that CA (the same
+    settings, and the same checks, as the agent port's ``[tls]``)."""
+    api = plane.config.api
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = None
     config.h2_max_concurrent_streams = 0
+    if api.tls is not None:
+        # Built once here so that a bad certificate or CA fails at start, naming the file.
+        ServerTLS(api.tls.cert, api.tls.key, api.tls.client_ca, api.tls.require_client_cert).context()
+        config.certfile = str(api.tls.cert)
+        config.keyfile = str(api.tls.key)
+        if api.tls.client_ca is not None:
+            config.ca_certs = str(api.tls.client_ca)
+            config.verify_mode = ssl.CERT_REQUIRED if api.tls.require_client_cert else ssl.CERT_OPTIONAL
+    guard = ApiGuard.from_config(api, host, 0, tls=api.tls is not None)
+    if not guard.has_tokens:
+        log.warning(
+            "admin API: no tokens in [api] (read_tokens, admin_tokens): it answers only clients on "
+            "this machine%s; set tokens to use ctl from elsewhere",
+            "" if _is_loopback(host) or host == "localhost" else f" although it listens on {host}",
+        )
     async with trio.open_nursery() as nursery:
-        urls: list[str] = await nursery.start(serve, make_app(plane), config)
-        task_status.started(int(urls[0].rsplit(":", 1)[1]))
+        urls: list[str] = await nursery.start(serve, make_app(plane, guard), config)
+        guard.port = int(urls[0].rsplit(":", 1)[1])
+        task_status.started(guard.port)

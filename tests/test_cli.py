@@ -205,3 +205,51 @@ def test_ctl_usage_mistakes_are_status_2() -> None:
         result = ctl(*argv)
         assert result.returncode == 2 and says in result.stderr, (argv, result)
         assert "Traceback" not in result.stderr
+
+
+def test_ctl_token_file_mistakes_are_status_2_in_one_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    for argv, says in [
+        (
+            ["nodes", "--token-file", str(tmp_path / "nosuch")],
+            f"--token-file {tmp_path / 'nosuch'}: cannot read it",
+        ),
+        (["--token-file", str(empty), "nodes"], f"--token-file {empty} is empty"),
+        (["nodes", "--cacert", str(tmp_path / "nosuch.pem")], "No such file"),
+    ]:
+        result = ctl(*argv)
+        assert result.returncode == 2 and says in result.stderr, (argv, result)
+        assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_ctl_sends_the_token_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    """``ctl`` against an API with tokens: from ``LLMGW_API_TOKEN``, from ``--token-file`` (which
+    wins), and without one a 401 that says where a token goes."""
+    token = "t" * 24
+    cp = ControlProcess(
+        tmp_path / "cp",
+        config_text(tmp_path / "state") + f'[api]\nread_tokens = ["{token}"]\n' + MODEL,
+    )
+    cp.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "LLMGW_API_TOKEN"}
+        argv = [*cp.ctl_argv(), "nodes", "--json"]
+        refused = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        assert refused.returncode == 1 and "HTTP 401" in refused.stderr and "--token-file" in refused.stderr
+        from_env = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, env={**env, "LLMGW_API_TOKEN": token}
+        )
+        assert from_env.returncode == 0 and json.loads(from_env.stdout) == [], from_env.stderr
+        token_file = tmp_path / "api.token"
+        token_file.write_text(f"{token}\n")
+        from_file = subprocess.run(
+            [*argv, "--token-file", str(token_file)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, "LLMGW_API_TOKEN": "w" * 24},
+        )
+        assert from_file.returncode == 0, from_file.stderr
+    finally:
+        cp.terminate()

@@ -1,0 +1,189 @@
+"""The admin API asks who you are: a real control plane with a joined agent, asked by ``ctl`` and by
+requests shaped like a browser's.
+
+A read-only token reads and cannot drain; an admin token drains; a web page's cross-origin
+``text/plain`` POST, a foreign ``Host`` (DNS rebinding) and a write without a JSON content type are
+refused, and after each refusal the node is still not draining. Without any token the API answers
+this machine only, and says so when it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fleet_procs import Agent, ControlProcess, free_port, poll
+
+READ = "r" * 8 + "-read-token-0001"
+ADMIN = "a" * 8 + "-admin-token-001"
+#: A catalog that places nothing, so a drain moves nothing and is never refused for a model's sake.
+CATALOG = """
+state_dir = "{state}"
+reconcile_interval = 0.3
+[listen]
+agents = "127.0.0.1:{agents}"
+api = "{api}"
+router = ""
+{api_table}
+[[models]]
+name = "m"
+replicas = 0
+[models.profile]
+engine = "sim"
+model = "m"
+"""
+
+
+def _config(tmp: Path, api: str = "127.0.0.1:0", tokens: bool = True) -> str:
+    table = f'[api]\nread_tokens = ["{READ}"]\nadmin_tokens = ["{ADMIN}"]\n' if tokens else ""
+    return CATALOG.format(state=tmp / "state", agents=free_port(), api=api, api_table=table)
+
+
+@pytest.fixture
+def cp(tmp_path: Path) -> Iterator[ControlProcess]:
+    control = ControlProcess(tmp_path / "cp", _config(tmp_path))
+    control.start()
+    try:
+        yield control
+    finally:
+        control.terminate()
+
+
+@pytest.fixture
+def node(cp: ControlProcess, tmp_path: Path) -> Iterator[str]:
+    agent = Agent(
+        tmp_path / "agents",
+        "gpu01",
+        f"http://127.0.0.1:{cp.agent_port}",
+        "h100x8.toml",
+        "ib-a:mlx5_0:1",
+        "127.0.0.1",
+        extra=("--engine-ports", "23000-23099", "--mgmt-interface", "lo"),
+    )
+    agent.start()
+    try:
+        poll("gpu01 to be ready", lambda: _node(cp, "gpu01", ADMIN).get("state") == "ready", timeout=60)
+        yield "gpu01"
+    finally:
+        if agent.proc is not None:
+            agent.proc.terminate()
+            agent.proc.wait(10)
+
+
+def _get(cp: ControlProcess, path: str, token: str = "", **headers: str) -> httpx.Response:
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    return httpx.get(f"http://127.0.0.1:{cp.api_port}{path}", headers=headers, timeout=15)
+
+
+def _node(cp: ControlProcess, node_id: str, token: str) -> dict[str, Any]:
+    resp = _get(cp, "/api/nodes", token)
+    assert resp.status_code == 200, resp.text
+    return next((n for n in resp.json() if n["node_id"] == node_id), {})
+
+
+def _ctl(cp: ControlProcess, *args: str, token: str = "", token_file: Path | None = None) -> Any:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_API_TOKEN"}
+    if token:
+        env["LLMGW_API_TOKEN"] = token
+    extra = ("--token-file", str(token_file)) if token_file else ()
+    return subprocess.run(
+        [*cp.ctl_argv(), *extra, *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def test_a_read_only_token_reads_and_cannot_drain_an_admin_token_drains(
+    cp: ControlProcess, node: str
+) -> None:
+    nobody = _ctl(cp, "nodes")
+    assert nobody.returncode == 1 and "HTTP 401" in nobody.stderr and "LLMGW_API_TOKEN" in nobody.stderr
+    wrong = _ctl(cp, "nodes", token="x" * 20)
+    assert wrong.returncode == 1 and "unknown admin API token" in wrong.stderr
+    reader = _ctl(cp, "nodes", token=READ)
+    assert reader.returncode == 0 and node in reader.stdout, reader.stderr
+    refused = _ctl(cp, "drain", node, token=READ)
+    assert refused.returncode == 1 and "HTTP 403" in refused.stderr and "admin token" in refused.stderr
+    assert _node(cp, node, READ)["draining"] is False
+    drained = _ctl(cp, "drain", node, token=ADMIN)
+    assert drained.returncode == 0, drained.stderr
+    assert _node(cp, node, READ)["draining"] is True
+    # The token can come from a file too; the read token still cannot undo the drain.
+    token_file = cp.workdir / "admin.token"
+    token_file.write_text(ADMIN + "\n")
+    token_file.chmod(0o600)
+    assert _ctl(cp, "uncordon", node, token=READ).returncode == 1
+    assert _node(cp, node, READ)["draining"] is True
+    undone = _ctl(cp, "uncordon", node, token_file=token_file)
+    assert undone.returncode == 0, undone.stderr
+    assert _node(cp, node, READ)["draining"] is False
+
+
+def test_browser_shaped_requests_are_refused_whatever_the_token(cp: ControlProcess, node: str) -> None:
+    url = f"http://127.0.0.1:{cp.api_port}/api/drain/{node}"
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    # A web page's form or fetch: a text/plain POST needs no CORS preflight. The browser adds
+    # Origin; even with the admin token (a page cannot have it, but the check does not rely on that).
+    for headers in (
+        {"origin": "http://evil.example", "content-type": "text/plain"},
+        {"origin": "http://evil.example", "content-type": "application/json", **admin},
+        {"sec-fetch-site": "cross-site", "content-type": "application/json", **admin},
+    ):
+        resp = httpx.post(url, content=b"{}", headers=headers, timeout=15)
+        assert resp.status_code == 403 and "cross-site" in resp.json()["error"], resp.text
+    # DNS rebinding: the page's own name, now resolving to 127.0.0.1, is the Host.
+    for host in (f"evil.example:{cp.api_port}", "evil.example", f"localhost:{cp.api_port + 1}"):
+        resp = httpx.post(url, json={}, headers={"host": host, **admin}, timeout=15)
+        assert resp.status_code == 403 and "is not this admin API's address" in resp.json()["error"], (
+            resp.text
+        )
+        assert _get(cp, "/api/nodes", READ, host=host).status_code == 403
+    # A write that is not JSON, even with the admin token and an own Host.
+    resp = httpx.post(url, content=b"{}", headers={"content-type": "text/plain", **admin}, timeout=15)
+    assert resp.status_code == 415 and "application/json" in resp.json()["error"]
+    assert _node(cp, node, READ)["draining"] is False
+    # Own names pass: localhost and 127.0.0.1 with the port.
+    for host in (f"localhost:{cp.api_port}", f"127.0.0.1:{cp.api_port}"):
+        assert _get(cp, "/api/nodes", READ, host=host).status_code == 200
+
+
+def test_the_join_token_is_for_admin_tokens_only(cp: ControlProcess) -> None:
+    assert _get(cp, "/api/token", READ).status_code == 403
+    assert _get(cp, "/api/token", ADMIN).status_code != 403
+
+
+def _non_loopback_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route's source
+        except OSError:
+            return None
+        address = str(probe.getsockname()[0])
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_without_tokens_the_api_answers_this_machine_only_and_warns(tmp_path: Path) -> None:
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no address but loopback to reach the API from")
+    control = ControlProcess(tmp_path / "cp", _config(tmp_path, api="0.0.0.0:0", tokens=False))
+    control.start()
+    try:
+        log = control.log.read_text()
+        assert "admin API: no tokens in [api]" in log and "although it listens on 0.0.0.0" in log, log
+        assert _get(control, "/api/nodes").status_code == 200
+        far = httpx.get(f"http://{address}:{control.api_port}/api/nodes", timeout=15)
+        assert far.status_code == 403 and "no tokens are configured" in far.json()["error"]
+        far_drain = httpx.post(f"http://{address}:{control.api_port}/api/drain/gpu01", json={}, timeout=15)
+        assert far_drain.status_code == 403
+        near = _ctl(control, "cordon", "gpu09")
+        assert near.returncode == 1 and "HTTP 404" in near.stderr  # reached the route: no node gpu09
+    finally:
+        control.terminate()
