@@ -4,7 +4,8 @@ A small ASGI app served by hypercorn over HTTP/1.1 on the admin address (never o
 agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times are reported as
 "seconds ago" on the control plane's monotonic clock, the only clock liveness is judged on.
 
-    GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards
+    GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards,
+                                    engines (each one's version, or why it is unknown)
     GET  /api/replicas              every placed replica and its shards' observed states
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
     GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
