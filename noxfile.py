@@ -1,4 +1,4 @@
-"""Project tasks: ``nox -s tests | chaos | e2e | engines | lint | typecheck | proto | bench``.
+"""Project tasks: ``nox -s tests | chaos | e2e | engines | flags | lint | typecheck | proto | bench``.
 
 Each session builds its own virtual environment from pyproject.toml, so what passes here passes on a
 fresh machine with only Python 3.11 and the package registries.
@@ -62,6 +62,17 @@ def e2e(session: nox.Session) -> None:
     session.install("-e", ".[test,engines]")
     _build_engines(session)
     session.run("pytest", "tests/test_e2e_llamacpp.py", *session.posargs, env={"LLMGW_E2E_REQUIRED": "1"})
+
+
+@nox.session(python="3.11")
+def flags(session: nox.Session) -> None:
+    """Rewrite every committed engine flag file (agent/engines/flags/) from the pinned engine
+    packages' own code: downloads each package without its dependencies (vLLM's wheel is ~400 MB),
+    imports nothing heavy, needs no GPU. ``nox -s flags -- vllm 0.18.0`` writes one file."""
+    # pydantic is real in the extractor's child process: vLLM's and SGLang's config dataclasses
+    # are pydantic's, and their defaults run while the parsers are built.
+    session.install("-e", ".", "pydantic>=2.12")
+    session.run("python", "-m", "enginebuild.flags", *(session.posargs or ["--all"]))
 
 
 @nox.session(python="3.11")
