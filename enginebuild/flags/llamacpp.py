@@ -19,8 +19,16 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
+
+from enginebuild import llamacpp as build
+from enginebuild.flags import core
 
 ENGINE = "llamacpp"
+
+#: What ``nox -s flags`` regenerates: the build ``nox -s engines`` makes (llama-cpp-python
+#: 0.3.36's vendored tree has no git history, so its build number is 1).
+VERSIONS = ("b1",)
 PROGRAM = "llama-server"
 
 _CHOICES = re.compile(r"^[{\[<]([^}\]>]*)[}\]>]$")
@@ -53,9 +61,9 @@ def _dest(flags: list[str]) -> str:
     return longest.lstrip("-").replace("-", "_")
 
 
-def extract_help(text: str) -> list[dict[str, object]]:
+def extract_help(text: str) -> list[dict[str, Any]]:
     """Every option in ``llama-server --help`` output, in the data-file format, sorted."""
-    options: dict[str, dict[str, object]] = {}
+    options: dict[str, dict[str, Any]] = {}
     for raw in text.splitlines():
         if not raw.startswith("-") or raw.startswith("-----"):
             continue
@@ -74,7 +82,7 @@ def extract_help(text: str) -> list[dict[str, object]]:
         if not flags:
             continue
         switch = not hint
-        entry: dict[str, object] = {
+        entry: dict[str, Any] = {
             "flags": flags,
             "dest": _dest(flags),
             "takes_value": not switch,
@@ -85,39 +93,48 @@ def extract_help(text: str) -> list[dict[str, object]]:
         }
         # The same option can be printed under two examples' sections; keep the first.
         options.setdefault(flags[0], entry)
-    return sorted(options.values(), key=lambda o: o["flags"][0])  # type: ignore[index]
+    return sorted(options.values(), key=lambda o: str(o["flags"][0]))
 
 
-def document(help_text: str, version: str, server_version: str) -> dict[str, object]:
+def document(help_text: str, version: str, server_version: str) -> dict[str, Any]:
     """The format-1 document from ``--help`` output, for build ``version`` (``bNNNN``)."""
-    return {
-        "format": 1,
-        "engine": ENGINE,
-        "version": version,
-        "program": PROGRAM,
-        "produced_by": f"python -m enginebuild.flags {ENGINE} {version}",
-        "source": f"llama-server --help of the binary nox -s engines builds ({server_version})",
-        "positionals": [],
-        "options": extract_help(help_text),
-    }
+    return core.document(
+        engine=ENGINE,
+        version=version,
+        program=PROGRAM,
+        source=f"llama-server --help ({server_version})",
+        positionals=[],
+        options=extract_help(help_text),
+    )
 
 
 def run_server(server: Path, arg: str) -> str:
     """``llama-server ARG`` output (stdout and stderr: it prints ``--version`` to stderr)."""
     done = subprocess.run([str(server), arg], capture_output=True, text=True, timeout=60, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{server} {arg} exited {done.returncode}: {(done.stdout + done.stderr)[-500:]}")
+        raise core.ExtractError(
+            f"{server} {arg} exited {done.returncode}: {(done.stdout + done.stderr)[-500:]}"
+        )
     return done.stdout + done.stderr
 
 
-def extract(server: Path, version: str = "") -> dict[str, object]:
-    """The document for the ``llama-server`` binary at ``server``; ``version`` (``bNNNN``), when
-    given, must be the one the binary reports."""
-    reported = run_server(server, "--version")
-    build = version_of(reported)
-    if version and version != build:
-        raise ValueError(
-            f"{server} is llama.cpp {build}, not {version}: rebuild it (nox -s engines) or ask for {build}"
+def fetch(version: str, workdir: Path) -> tuple[Path, str]:
+    """The ``llama-server`` that ``nox -s engines`` built (nothing is downloaded here: building is
+    that session's job); (the binary, where it is)."""
+    server = build.server_path()
+    if server is None:
+        raise core.ExtractError("no llama-server built; run `nox -s engines` first")
+    return server, "built by nox -s engines"
+
+
+def extract(source_dir: Path, version: str) -> dict[str, Any]:
+    """The document for the ``llama-server`` binary at ``source_dir``; ``version`` (``bNNNN``)
+    must be the build the binary reports."""
+    reported = run_server(source_dir, "--version")
+    found = version_of(reported)
+    if version and version != found:
+        raise core.ExtractError(
+            f"{source_dir} is llama.cpp {found}, not {version}: ask for {found}, or build {version}"
         )
     line = next((ln for ln in reported.splitlines() if ln.startswith("version:")), reported.strip())
-    return document(run_server(server, "--help"), build, line.removeprefix("version:").strip())
+    return document(run_server(source_dir, "--help"), found, line.removeprefix("version:").strip())

@@ -32,7 +32,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from enginebuild.flags import core
+
 ENGINE = "sglang"
+
+#: What ``nox -s flags`` regenerates: the release the adapter was first written against and the
+#: newest on the package index when this was written (0.5.23, named in issue 15, is not published).
+VERSIONS = ("0.5.4", "0.5.10.post1")
 PROGRAM = "python -m sglang.launch_server"
 SERVER_ARGS = Path("sglang/srt/server_args.py")
 
@@ -201,10 +207,10 @@ def _nargs(action: argparse.Action) -> str | None:
     return None
 
 
-def options_of(parser: argparse.ArgumentParser) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+def options_of(parser: argparse.ArgumentParser) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(options, positionals) in the data-file format, from argparse's own actions."""
-    options: list[dict[str, object]] = []
-    positionals: list[dict[str, object]] = []
+    options: list[dict[str, Any]] = []
+    positionals: list[dict[str, Any]] = []
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue
@@ -225,26 +231,29 @@ def options_of(parser: argparse.ArgumentParser) -> tuple[list[dict[str, object]]
                 "deprecated_choices": {},
             }
         )
-    options.sort(key=lambda o: o["flags"][0])  # type: ignore[index]
     return options, positionals
 
 
-def extract(source_dir: Path, version: str) -> dict[str, object]:
+def fetch(version: str, workdir: Path) -> tuple[Path, str]:
+    """The sdist of SGLang ``version`` (pure Python, no dependencies), its ``.py`` files unpacked;
+    (the folder holding ``sglang/``, what was fetched)."""
+    archive = core.pip_download(f"sglang=={version}", workdir / "download")
+    dest = workdir / "src"
+    core.unpack(archive, dest, keep=lambda name: name.endswith(".py") and "sglang/" in name)
+    roots = sorted(p.parent.parent.parent for p in dest.glob(f"**/{SERVER_ARGS}"))
+    if len(roots) != 1:
+        raise core.ExtractError(f"{archive.name}: expected one {SERVER_ARGS}, found {len(roots)}")
+    return roots[0], f"{archive.name} from PyPI"
+
+
+def extract(source_dir: Path, version: str) -> dict[str, Any]:
     """The format-1 document for SGLang ``version`` from its unpacked source at ``source_dir``."""
     options, positionals = options_of(build_parser(source_dir))
-    return {
-        "format": 1,
-        "engine": ENGINE,
-        "version": version,
-        "program": PROGRAM,
-        "produced_by": f"python -m enginebuild.flags {ENGINE} {version}",
-        "source": f"sglang-{version} sdist from PyPI: {SERVER_ARGS} (ServerArgs.add_cli_args, run on "
-        "argparse with non-stdlib imports stubbed)",
-        "positionals": positionals,
-        "options": options,
-    }
-
-
-#: What the tool downloads for a version: the sdist (pure Python; no build, no dependencies).
-def requirement(version: str) -> str:
-    return f"sglang=={version}"
+    return core.document(
+        engine=ENGINE,
+        version=version,
+        program=PROGRAM,
+        source=f"{SERVER_ARGS}: ServerArgs.add_cli_args run on argparse, imports outside the standard library stubbed",
+        positionals=positionals,
+        options=options,
+    )

@@ -12,16 +12,32 @@ computed at run time from another module's registry (``severity_map.keys()``,
 ``ReasoningParserFactory.parsers.keys()``) is recorded as "any string" (``choices: null``) unless
 it is a literal dict in the same file: permissive, never wrong.
 
-Source: the wheels are not on PyPI (TensorRT-LLM's sdist there is a ``wheel-stub`` that fetches
-from NVIDIA's own index), so the tool reads ``serve.py`` from a source tree given with ``--source``.
+Source: ``fetch`` downloads the release's wheel without dependencies and unpacks only
+``serve.py``; the wheels are published on NVIDIA's package index, which pip reaches when the machine
+is configured for it (the sdist on PyPI is a ``wheel-stub`` that fetches the same wheel). Where it is
+not, ``LLMGW_TRTLLM_SOURCE`` names a source tree of the release (a checkout of its tag: the folder
+holding ``tensorrt_llm/``) to read instead.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
+from typing import Any
+
+from enginebuild.flags import core
 
 ENGINE = "trtllm"
+
+#: What ``nox -s flags`` regenerates: the newest release.
+VERSIONS = ("1.2.1",)
+
+#: A source tree to read instead of downloading the wheel.
+SOURCE_ENV = "LLMGW_TRTLLM_SOURCE"
+
+#: Platforms the release publishes wheels for; any one has the same Python files.
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_28_aarch64", "linux_x86_64", "linux_aarch64")
 PROGRAM = "trtllm-serve serve"
 SERVE = Path("tensorrt_llm/commands/serve.py")
 COMMAND = "serve"
@@ -125,8 +141,8 @@ def extract_source(
     )
     if func is None:
         raise ValueError(f"{filename}: no @click.command({COMMAND!r}) function found")
-    options: list[dict[str, object]] = []
-    positionals: list[dict[str, object]] = []
+    options: list[dict[str, Any]] = []
+    positionals: list[dict[str, Any]] = []
     # Decorators apply bottom-up, but click lists parameters top-down: keep source order.
     for deco in func.decorator_list:
         if not isinstance(deco, ast.Call):
@@ -161,24 +177,46 @@ def extract_source(
                 "deprecated_choices": {},
             }
         )
-    options.sort(key=lambda o: o["flags"][0])  # type: ignore[index]
     return options, positionals
 
 
-def extract(source_dir: Path, version: str) -> dict[str, object]:
+def fetch(version: str, workdir: Path) -> tuple[Path, str]:
+    """(the folder holding ``tensorrt_llm/``, what was read): ``$LLMGW_TRTLLM_SOURCE`` when set,
+    else ``serve.py`` out of the release's wheel."""
+    given = os.environ.get(SOURCE_ENV, "")
+    if given:
+        root = Path(given).expanduser()
+        if not (root / SERVE).is_file():
+            raise core.ExtractError(
+                f"{SOURCE_ENV}={given}: no {SERVE} there; name the folder holding tensorrt_llm/"
+            )
+        return root, f"{SOURCE_ENV}={given}"
+    try:
+        wheel = core.pip_download(
+            f"tensorrt-llm=={version}", workdir / "download", wheel_platforms=WHEEL_PLATFORMS
+        )
+    except core.ExtractError as exc:
+        raise core.ExtractError(
+            f"{exc}\nTensorRT-LLM wheels come from NVIDIA's package index (configure pip for it), "
+            f"or set {SOURCE_ENV} to a source tree of the v{version} tag"
+        ) from None
+    dest = workdir / "src"
+    core.unpack(wheel, dest, keep=lambda name: name == str(SERVE))
+    return dest, f"{wheel.name}"
+
+
+def extract(source_dir: Path, version: str) -> dict[str, Any]:
     """The format-1 document for ``trtllm-serve`` ``version`` from a source tree at ``source_dir``
     (the folder holding ``tensorrt_llm/``)."""
     path = source_dir / SERVE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; --source must hold tensorrt_llm/commands/serve.py")
+        raise core.ExtractError(f"{path}: not found; the source tree must hold {SERVE}")
     options, positionals = extract_source(path.read_text(encoding="utf-8"), str(path))
-    return {
-        "format": 1,
-        "engine": ENGINE,
-        "version": version,
-        "program": PROGRAM,
-        "produced_by": f"python -m enginebuild.flags {ENGINE} {version}",
-        "source": f"TensorRT-LLM {version} source: {SERVE} (the click decorators of `serve`, read with ast)",
-        "positionals": positionals,
-        "options": options,
-    }
+    return core.document(
+        engine=ENGINE,
+        version=version,
+        program=PROGRAM,
+        source=f"{SERVE}: the click decorators of `serve`, read with ast",
+        positionals=positionals,
+        options=options,
+    )
