@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,5 +186,48 @@ def test_without_tokens_the_api_answers_this_machine_only_and_warns(tmp_path: Pa
         assert far_drain.status_code == 403
         near = _ctl(control, "cordon", "gpu09")
         assert near.returncode == 1 and "HTTP 404" in near.stderr  # reached the route: no node gpu09
+    finally:
+        control.terminate()
+
+
+def test_mutual_tls_on_the_admin_listener(tmp_path: Path) -> None:
+    """``[api.tls]`` with ``client_ca`` and ``require_client_cert``: ctl with a certificate from that
+    CA (and a token) is answered; without a certificate, or with one from another CA, the
+    handshake fails and nothing is answered."""
+    import trustme
+
+    ca, other = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    server.cert_chain_pems[0].write_to_path(tmp_path / "api.pem")
+    server.private_key_pem.write_to_path(tmp_path / "api.key")
+    for name, issuer in (("operator", ca), ("rogue", other)):
+        cert = issuer.issue_cert(f"{name}.operators.llmgw")
+        cert.cert_chain_pems[0].write_to_path(tmp_path / f"{name}.pem")
+        cert.private_key_pem.write_to_path(tmp_path / f"{name}.key")
+    tls = (
+        f'[api.tls]\ncert = "{tmp_path / "api.pem"}"\nkey = "{tmp_path / "api.key"}"\n'
+        f'client_ca = "{tmp_path / "ca.pem"}"\nrequire_client_cert = true\n'
+    )
+    text = _config(tmp_path).replace("\n[[models]]", f"\n{tls}[[models]]", 1)
+    control = ControlProcess(tmp_path / "cp", text)
+    control.start()
+    try:
+        api = ("--api", f"https://127.0.0.1:{control.api_port}", "--cacert", str(tmp_path / "ca.pem"))
+
+        def ctl(*args: str) -> Any:
+            import subprocess
+
+            env = {**os.environ, "LLMGW_API_TOKEN": READ}
+            argv = [sys.executable, "-m", "control", "ctl", *api, *args, "nodes", "--json"]
+            return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+
+        answered = ctl("--cert", str(tmp_path / "operator.pem"), "--key", str(tmp_path / "operator.key"))
+        assert answered.returncode == 0 and answered.stdout.strip() == "[]", answered.stderr
+        for args in ((), ("--cert", str(tmp_path / "rogue.pem"), "--key", str(tmp_path / "rogue.key"))):
+            refused = ctl(*args)
+            assert refused.returncode == 1 and "cannot reach the control plane" in refused.stderr, refused
+        plain = _ctl(control, "nodes", token=READ)  # http:// to an https listener
+        assert plain.returncode == 1, plain
     finally:
         control.terminate()
