@@ -21,7 +21,7 @@ import trio
 import trustme
 from hyperframe.frame import SettingsFrame
 
-from agent.transport import ClientTLS, ConnectionLost, PeerUnresponsive, StreamOptions, open_stream
+from agent.transport import ClientTLS, ConnectionLost, GoAwayReceived, StreamOptions, open_stream
 from control.transport import ServerLimits, ServerTLS, StreamServer
 from tests.fleet_procs import FIXTURES, ControlProcess, catalog, poll, terminate
 from tests.rawh2 import PREFACE, split_frames
@@ -187,14 +187,34 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
 async def test_plaintext_url_for_a_tls_port_is_named(
     nursery: trio.Nursery, certs: tuple[Path, Path, Path]
 ) -> None:
-    _, cert, key = certs
+    """The TLS port answers a plaintext client in its own protocol (HTTP/2 GOAWAY, HTTP/1.1 400)
+    with the fix, instead of closing the connection and leaving the agent to guess; it still
+    serves a TLS client afterwards."""
+    ca, cert, key = certs
     server = StreamServer(echo_handler, tls=ServerTLS(cert, key), limits=ServerLimits(handshake_timeout=2))
     port = await nursery.start(server.serve, "127.0.0.1", 0)
-    with trio.fail_after(10), pytest.raises((ConnectionLost, PeerUnresponsive)) as info:
+    hint = "this port speaks TLS: use an https:// (or wss://) server URL"
+    with trio.fail_after(10), pytest.raises(GoAwayReceived) as info:
         async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(settings_timeout=3)):
             pass
-    text = str(info.value)
-    assert "TLS" in text and "https://" in text, text
+    assert hint in str(info.value)
+    with trio.fail_after(10), pytest.raises(ConnectionLost) as refused:
+        async with open_stream(f"ws://127.0.0.1:{port}"):
+            pass
+    assert f"refused: HTTP 400: '{hint}'" in str(refused.value)
+    async with open_stream(f"https://127.0.0.1:{port}", StreamOptions(tls=ClientTLS(ca_file=ca))) as stream:
+        await stream.send(register("hello"))
+        assert (await stream.receive()) is not None
+
+
+async def test_websocket_url_for_the_router_is_named(control: ControlProcess) -> None:
+    with trio.fail_after(10), pytest.raises(ConnectionLost) as info:
+        async with open_stream(f"ws://127.0.0.1:{control.router_port}"):
+            pass
+    assert "refused: HTTP 404" in str(info.value)
+    assert "is this the router or admin port? agents connect to the control plane's [listen] agents" in str(
+        info.value
+    )
 
 
 async def test_tls_url_for_a_plaintext_port_is_named(

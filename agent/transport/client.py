@@ -636,7 +636,7 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
                         max_message_size=options.max_message_size + framing.HEADER_SIZE,
                     )
             except trio_websocket.HandshakeError as exc:
-                raise ConnectionLost(f"WebSocket handshake with {url} failed: {exc}") from exc
+                raise ConnectionLost(_ws_refused(url, exc)) from exc
             ws_stream = _WsClientStream(ws, options)
             nursery.start_soon(ws_stream.keepalive)
             try:
@@ -644,5 +644,34 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     await ws.aclose()
+    except BaseExceptionGroup as group:
+        # trio-websocket raises a refused handshake (an HTTP answer other than 101) in its reader
+        # task, in our nursery: a group, which the reconnect loop would log as a traceback.
+        refused = group.subgroup(trio_websocket.HandshakeError)
+        if refused is None:
+            raise
+        first = _leaves(refused)[0]
+        assert isinstance(first, trio_websocket.HandshakeError)
+        raise ConnectionLost(_ws_refused(url, first)) from group
     finally:
         await trio.aclose_forcefully(stream)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _ws_refused(url: str, exc: trio_websocket.HandshakeError) -> str:
+    """The server's refusal of our WebSocket handshake, in words (its text escaped and bounded)."""
+    if not isinstance(exc, trio_websocket.ConnectionRejected):
+        return f"WebSocket handshake with {url} failed: {exc}"
+    body = bytes(exc.body or b"").strip()
+    text = f"WebSocket handshake with {url} refused: HTTP {exc.status_code}" + (
+        f": {peer_text(body)}" if body else ""
+    )
+    if exc.status_code not in (400, 503):  # an agent port's own refusals say what is wrong
+        text += f"; the server does not serve {schema.WEBSOCKET_PATH}: is this the router or admin port? "
+        text += AGENT_PORT_HINT
+    return text

@@ -40,6 +40,7 @@ import h2.settings
 import trio
 import trio_websocket
 from h2.errors import ErrorCodes
+from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 import schema
 from control.transport.bursts import BurstLog
@@ -53,6 +54,8 @@ log = logging.getLogger("llmgw.control.transport")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HTTP1_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/1\.[01]\r?\n")
 _MAX_HTTP1_HEAD = 16 * 1024
+#: The first byte of a TLS ClientHello (a handshake record); anything else at a TLS port is plaintext.
+_TLS_HANDSHAKE_RECORD = 0x16
 
 GRPC_CONTENT_TYPES = (b"application/grpc", b"application/grpc+proto")
 CONNECT_CONTENT_TYPE = b"application/connect+proto"
@@ -570,6 +573,10 @@ class StreamServer:
         try:
             with trio.fail_after(self.limits.handshake_timeout):
                 if self._ssl_context is not None:
+                    first = await tcp.socket.recv(1, socket.MSG_PEEK)
+                    if first and first[0] != _TLS_HANDSHAKE_RECORD:
+                        await self._answer_plaintext(tcp, address)
+                        return
                     ssl_stream = trio.SSLStream(tcp, self._ssl_context, server_side=True)
                     await ssl_stream.do_handshake()
                     alpn = ssl_stream.selected_alpn_protocol()
@@ -595,6 +602,55 @@ class StreamServer:
                 await self._serve_http1(stream, peer, prefix)
         finally:
             await trio.aclose_forcefully(stream)
+
+    async def _answer_plaintext(self, tcp: trio.SocketStream, address: str) -> None:
+        """A plaintext client at the TLS port: say in its own protocol that this port needs TLS.
+
+        An agent with an ``http://`` URL for a TLS port would otherwise see the connection closed
+        and could only guess why; its HTTP/2 preface is answered with SETTINGS and a GOAWAY whose
+        text names the fix, an HTTP/1.1 request with a 400 that does. Nothing is served.
+        """
+        hint = "this port speaks TLS: use an https:// (or wss://) server URL"
+        data = b""
+        with trio.move_on_after(self.limits.handshake_timeout):
+            # Read what the client sent first: closing with unread bytes would reset the connection
+            # and could discard our answer before the client reads it.
+            while len(data) < _MAX_HTTP1_HEAD and not (
+                data.startswith(PREFACE) or b"\r\n\r\n" in data or (data and not data[:1].isalpha())
+            ):
+                chunk = await tcp.receive_some(4096)
+                if not chunk:
+                    break
+                data += bytes(chunk)
+        if data.startswith(PREFACE[: len(data)]) and data:
+            goaway = GoAwayFrame(0)
+            goaway.error_code = ErrorCodes.PROTOCOL_ERROR
+            goaway.additional_data = hint.encode()
+            answer = SettingsFrame(0).serialize() + goaway.serialize()
+        elif _HTTP1_REQUEST_LINE.match(data):
+            body = (hint + "\n").encode()
+            answer = (
+                b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
+        else:
+            answer = b""
+        self._tls_failure_log.note(
+            "%s: plaintext on the TLS port (%s); %s",
+            address,
+            peer_text(data[:24]),
+            "answered that it needs TLS" if answer else "closing",
+        )
+        with trio.move_on_after(1):
+            try:
+                if answer:
+                    await tcp.send_all(answer)
+                    await tcp.send_eof()
+                    while await tcp.receive_some(4096):  # until the client has read it and gone
+                        pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await trio.aclose_forcefully(tcp)
 
     async def _sniff(self, stream: trio.abc.Stream) -> bytes:
         """Read enough to tell the HTTP/2 preface from an HTTP/1.1 request head."""
