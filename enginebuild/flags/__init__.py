@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from enginebuild.flags import vllm
+from enginebuild.flags import llamacpp, sglang, trtllm, vllm
 
 
 class Extractor(Protocol):
@@ -32,4 +32,7 @@ class Extractor(Protocol):
 
 EXTRACTORS: dict[str, Extractor] = {
     "vllm": vllm,
+    "sglang": sglang,
+    "trtllm": trtllm,
+    "llamacpp": llamacpp,
 }

@@ -183,7 +183,7 @@ def _type_name(action: argparse.Action) -> str:
     if kind is None:
         return "bool" if action.nargs == 0 else "str"
     if kind in (int, float, str):
-        return kind.__name__  # type: ignore[union-attr]
+        return kind.__name__
     if kind is json.loads:
         return "json"
     name = getattr(kind, "_stub_name", None) or getattr(kind, "__name__", "")
