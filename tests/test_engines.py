@@ -6,6 +6,7 @@ with "unrecognized arguments" minutes into a rollout, and these tests are where 
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 
@@ -18,8 +19,10 @@ from agent.engines import (
     LaunchContext,
     ProfileRefused,
     Readiness,
+    base,
     check_spec,
     engine_for,
+    flagsets,
     llamacpp,
     plan,
     select_gpus,
@@ -143,11 +146,118 @@ def test_vllm_defaults_leave_optional_flags_out() -> None:
     )  # fmt: skip
 
 
-def test_vllm_shutdown_timeout_comes_from_the_launch_context() -> None:
-    cmd = vllm.build_command(spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0))
-    assert cmd.argv[-2:] == ("--shutdown-timeout", "30")
+def test_vllm_shutdown_timeout_is_below_the_sigkill_deadline() -> None:
+    """The drain window ends before the supervisor's SIGKILL (stop_grace after SIGTERM), by
+    max(2 s, 10%), so vLLM has time to shut its workers down after the last request."""
+    cmd = vllm.build_command(
+        spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version="0.18.0")
+    )
+    assert cmd.argv[-2:] == ("--shutdown-timeout", "27")
+    cmd = vllm.build_command(
+        spec(profile()), ctx("vllm", shutdown_timeout_seconds=10.0, engine_version="0.18.0")
+    )
+    assert cmd.argv[-2:] == ("--shutdown-timeout", "8")
+    # No window fits in 2 s: no flag (0 would mean "abort", the default anyway).
+    cmd = vllm.build_command(
+        spec(profile()), ctx("vllm", shutdown_timeout_seconds=2.0, engine_version="0.18.0")
+    )
+    assert "--shutdown-timeout" not in cmd.argv
+    assert [base.drain_seconds(g) for g in (0, 1, 2, 3, 20, 30, 120)] == [0, 0, 0, 1, 18, 27, 108]
     assert vllm.STOP.graceful_flag == "--shutdown-timeout"
     assert vllm.STOP.drains_in_flight
+
+
+def without_option(engine: str, version: str, flag: str) -> flagsets.FlagSet:
+    """The committed flag set of engine version, less one option: a version that lacks it."""
+    path = flagsets.DATA_DIR / flagsets.file_name(engine, version)
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    doc["options"] = [o for o in doc["options"] if flag not in o["flags"]]
+    return flagsets.parse_document(doc, f"{path} without {flag}")
+
+
+def test_vllm_shutdown_timeout_only_where_the_version_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    older = without_option("vllm", "0.18.0", "--shutdown-timeout")
+    monkeypatch.setattr(flagsets, "for_version", lambda engine, version: older)
+    cmd = vllm.build_command(spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0))
+    assert "--shutdown-timeout" not in cmd.argv
+
+
+def test_api_key_is_the_engines_own_option() -> None:
+    key = "k3y-of-the-shard"
+    for engine, prefix in (("vllm", "vllm"), ("sglang", "python"), ("llamacpp", "llama-server")):
+        p = profile(engine, model="m.gguf") if engine == "llamacpp" else profile(engine)
+        cmd = ENGINES[engine].build_command(spec(p, api_key=key), ctx(prefix))
+        i = cmd.argv.index("--api-key")
+        assert cmd.argv[i + 1] == key
+        assert key not in "".join(cmd.env.values())
+    # No key, no flag: nothing to enforce.
+    assert "--api-key" not in vllm.build_command(spec(profile()), ctx("vllm")).argv
+
+
+def test_trtllm_refuses_a_key_it_cannot_enforce() -> None:
+    err = refusal(trtllm.build_command, spec(profile("trtllm"), api_key="k"), ctx("trtllm-serve"))
+    assert err.rule == "api-key"
+    assert str(err).startswith("TensorRT-LLM 1.2.1: has no API-key option (--api-key), so the shard's key")
+    trtllm.build_command(spec(profile("trtllm")), ctx("trtllm-serve"))
+
+
+def test_deprecated_quantization_is_refused_in_vllms_words_unless_enabled() -> None:
+    p = profile(quantization="fbgemm_fp8")
+    err = refusal(vllm.build_command, spec(p), ctx("vllm", engine_version="0.18.0"))
+    assert err.rule == "quantization"
+    assert str(err).startswith(
+        "vLLM 0.18.0: --quantization fbgemm_fp8 is deprecated and needs --allow-deprecated-quantization"
+    )
+    enabled = profile(quantization="fbgemm_fp8", extra_args=["--allow-deprecated-quantization"])
+    cmd = vllm.build_command(spec(enabled), ctx("vllm", engine_version="0.18.0"))
+    assert cmd.argv[-1] == "--allow-deprecated-quantization"
+    # modelopt_mxfp8 was wrongly refused by the hand-typed list; 0.18.0 accepts it.
+    vllm.build_command(spec(profile(quantization="modelopt_mxfp8")), ctx("vllm", engine_version="0.18.0"))
+
+
+def test_sglang_quantization_per_version() -> None:
+    p = profile("sglang", quantization="auto-round")
+    err = refusal(sglang.build_command, spec(p), ctx("python", engine_version="0.5.4"))
+    assert str(err).startswith("SGLang 0.5.4: --quantization auto-round is not one of its choices (awq, fp8,")
+    cmd = sglang.build_command(spec(p), ctx("python", engine_version="0.5.10.post1"))
+    assert cmd.argv[cmd.argv.index("--quantization") + 1] == "auto-round"
+    # A version between two files gets the older file's flags (0.5.9 -> 0.5.4's).
+    refusal(sglang.build_command, spec(p), ctx("python", engine_version="0.5.9"))
+
+
+def test_unknown_extra_args_flag_is_refused_naming_flag_and_version() -> None:
+    cases = [
+        (
+            vllm,
+            profile(extra_args=["--no-such-flag"]),
+            "vllm",
+            "vLLM 0.18.0: unrecognized arguments: --no-such-flag",
+        ),
+        (
+            sglang,
+            profile("sglang", extra_args=["--max-num-seqs", "8"]),
+            "python",
+            "SGLang 0.5.4: unrecognized arguments: --max-num-seqs 8",
+        ),
+        (
+            llamacpp,
+            profile("llamacpp", model="m.gguf", extra_args=["--tp", "2"]),
+            "llama-server",
+            "llama.cpp b1: unrecognized arguments: --tp 2",
+        ),
+        (
+            trtllm,
+            profile("trtllm", extra_args=["--max-num-seqs", "8"]),
+            "trtllm-serve",
+            "TensorRT-LLM 1.2.1: unrecognized arguments: --max-num-seqs 8",
+        ),
+    ]
+    for module, p, prefix, message in cases:
+        err = refusal(module.build_command, spec(p), ctx(prefix))
+        assert err.rule == "flags"
+        assert str(err) == message
+    err = refusal(vllm.build_command, spec(profile(extra_args=["--max-num-seqs", "many"])), ctx("vllm"))
+    assert str(err) == "vLLM 0.18.0: argument --max-num-seqs: invalid int value: 'many'"
 
 
 def multinode(p: schema.EngineProfile, rank: int) -> schema.StartShard:
@@ -473,11 +583,11 @@ def test_fp8_needs_ada_or_hopper() -> None:
 
 
 def test_unsupported_quantization_per_engine() -> None:
-    err = refusal(vllm.validate, profile(quantization="exl2"), gpus(1))
+    err = refusal(vllm.build_command, spec(profile(quantization="exl2")), ctx("vllm"))
     assert err.rule == "quantization"
-    assert str(err).startswith("quantization 'exl2' is not supported by vLLM 0.18.0; choices: awq, fp8, ")
-    err = refusal(sglang.validate, profile("sglang", quantization="fbgemm_fp8"), gpus(1))
-    assert str(err).startswith("quantization 'fbgemm_fp8' is not supported by SGLang 0.5.4; choices: awq,")
+    assert str(err).startswith("vLLM 0.18.0: --quantization exl2 is not one of its choices (awq, fp8, ")
+    err = refusal(sglang.build_command, spec(profile("sglang", quantization="fbgemm_fp8")), ctx("python"))
+    assert str(err).startswith("SGLang 0.5.4: --quantization fbgemm_fp8 is not one of its choices (awq,")
     err = refusal(llamacpp.validate, profile("llamacpp", quantization="awq"), [])
     assert str(err).startswith("quantization 'awq' is not a GGUF type llama.cpp loads; choices: gguf, F32,")
     err = refusal(trtllm.validate, profile("trtllm", quantization="gguf"), gpus(1))
@@ -487,9 +597,9 @@ def test_unsupported_quantization_per_engine() -> None:
 
 
 def test_unsupported_dtype() -> None:
-    err = refusal(vllm.validate, profile(dtype="fp8"), gpus(1))
+    err = refusal(vllm.build_command, spec(profile(dtype="fp8")), ctx("vllm"))
     assert str(err) == (
-        "dtype 'fp8' is not supported by vLLM 0.18.0; choices: auto, half, float16, bfloat16, float, float32"
+        "vLLM 0.18.0: --dtype fp8 is not one of its choices (auto, bfloat16, float, float16, float32, half)"
     )
     err = refusal(llamacpp.validate, profile("llamacpp", dtype="bfloat16"), [])
     assert str(err).startswith(

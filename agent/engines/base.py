@@ -25,6 +25,8 @@ import attrs
 
 import schema
 from agent.discovery.model import FabricAttachment, GpuInfo
+from agent.engines import flagsets
+from agent.engines.flagsets import FlagSet
 
 GIB = 1024**3
 MIB = 1024**2
@@ -311,6 +313,72 @@ def check_choice(field: str, value: str, choices: Sequence[str], engine: str) ->
         raise ProfileRefused(
             field, f"{field} {value!r} is not supported by {engine}; choices: {', '.join(choices)}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules from the engine version's own flag set (``agent/engines/flags/<engine>-<version>.json``).
+# Each refusal names the engine and the version it was checked against ("vLLM 0.18.0: ...").
+
+
+def flag_set(engine: str, ctx: LaunchContext) -> FlagSet:
+    """The flag set for the engine version this node runs (``ctx.engine_version``): the newest
+    data file not newer than it, the oldest when the version is unknown."""
+    return flagsets.for_version(engine, ctx.engine_version)
+
+
+def check_flag_choice(fs: FlagSet, flag: str, value: str, field: str, extra_args: Sequence[str]) -> None:
+    """``value`` for ``flag`` is what this engine version accepts: the flag exists, the value is
+    one of its choices, and a deprecated choice comes with the flag that enables it.
+
+    A deprecated choice is refused rather than enabled for the operator: the enabling flag
+    (``--allow-deprecated-quantization``) is the engine's own "I know", and saying it belongs in
+    the profile, where it is reviewed, not in the adapter, where it would be silent. The profile
+    says it by listing the flag in ``extra_args``.
+    """
+    if not value:
+        return
+    option = fs.option(flag)
+    if option is None:
+        raise ProfileRefused(
+            field, f"{fs.label}: has no {flag} option, so {field} {value!r} cannot be passed"
+        )
+    if option.choices is not None and value not in {str(c) for c in option.choices}:
+        listed = ", ".join(str(c) for c in option.choices)
+        raise ProfileRefused(field, f"{fs.label}: {flag} {value} is not one of its choices ({listed})")
+    message = option.deprecated_choices.get(value)
+    if message is not None:
+        enabling = re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", message)
+        if not any(f in extra_args for f in enabling):
+            hint = f" (list {enabling[0]} in extra_args to run it anyway)" if enabling else ""
+            raise ProfileRefused(field, f"{fs.label}: {flag} {value} {message}{hint}")
+
+
+def check_command_line(fs: FlagSet, args: Sequence[str]) -> None:
+    """The whole command line after the program (ours and ``extra_args``) parses as this engine
+    version parses it: an unknown flag, a missing value, a bad type or choice is refused here,
+    in the engine's words, instead of minutes later by the engine."""
+    problems = fs.check_argv(args)
+    if problems:
+        raise ProfileRefused("flags", "; ".join(problems))
+
+
+def check_no_api_key_option(fs: FlagSet, spec: schema.StartShard, flag: str = "--api-key") -> None:
+    """A shard key for an engine version without an API-key option cannot be enforced: refuse it
+    rather than start an engine anyone on the network can call."""
+    if spec.api_key and fs.option(flag) is None:
+        raise ProfileRefused(
+            "api-key",
+            f"{fs.label}: has no API-key option ({flag}), so the shard's key cannot be enforced; "
+            "the control plane sends no key for this engine",
+        )
+
+
+def drain_seconds(stop_grace: float) -> int:
+    """An engine's drain window, below the moment the supervisor's SIGKILL fires (``stop_grace``
+    after SIGTERM) by a margin of max(2 s, 10%): the engine's own shutdown (closing its workers,
+    freeing the GPUs) needs time after the last request, and an engine killed mid-shutdown can
+    leave its GPU memory held. Whole seconds (vLLM's option is an int); 0 when no window fits."""
+    return max(int(stop_grace - max(2.0, 0.1 * stop_grace)), 0)
 
 
 def check_gpus_present(gpus: Sequence[GpuInfo], engine: str) -> None:

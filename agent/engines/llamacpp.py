@@ -24,6 +24,12 @@ Flags:
   ``-mg``/``--main-gpu 0`` (the first of the shard's GPUs, as CUDA_VISIBLE_DEVICES numbers them).
 - CPU-only: ``-ngl 0`` and an empty ``CUDA_VISIBLE_DEVICES``, so a CUDA build on a GPU node
   cannot wander onto GPUs another shard owns.
+- ``--api-key KEY``: the shard's secret (``StartShard.api_key``): ``/v1/*`` answers 401 without it,
+  ``/health`` and ``/metrics`` stay open (the supervisor's probes and drain read them).
+
+The whole command line, ``extra_args`` included, is checked against the flag set of the build the
+node runs (``agent/engines/flags/llamacpp-<build>.json``, from that build's ``--help`` by
+``python -m enginebuild.flags llamacpp BUILD``).
 
 There is no dtype or quantization flag: the GGUF file fixes its weight types. ``quantization``
 may name the file's GGUF type (``Q4_K_M``...; the list of ``tools/quantize``) for the memory
@@ -148,10 +154,11 @@ def tensor_split(spec: schema.StartShard, known: Sequence[GpuInfo]) -> str:
 
 
 def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
+    """The launch for the node's llama.cpp build; raises ProfileRefused for what it would refuse."""
     profile = base.require_profile(spec)
+    fs = base.flag_set(NAME, ctx)
     tp, _ = base.parallel_sizes(profile)
     argv = [
-        *ctx.argv_prefix,
         "-m",
         profile.model,
         "--alias",
@@ -176,8 +183,12 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
     else:
         argv += ["-ngl", "0"]
         env = {"CUDA_VISIBLE_DEVICES": ""}
+    if spec.api_key:
+        base.check_no_api_key_option(fs, spec)
+        argv += ["--api-key", spec.api_key]
     argv += profile.extra_args
-    return Command(argv=tuple(argv), env=base.merge_env(env, profile))
+    base.check_command_line(fs, argv)
+    return Command(argv=(*ctx.argv_prefix, *argv), env=base.merge_env(env, profile))
 
 
 def readiness(spec: schema.StartShard) -> Readiness:

@@ -1,7 +1,8 @@
-"""SGLang: ``python -m sglang.launch_server --model-path MODEL ...``, pinned to **SGLang 0.5.4**.
+"""SGLang: ``python -m sglang.launch_server --model-path MODEL ...``, for the SGLang version the
+node runs (flag files for 0.5.4 and 0.5.10.post1).
 
-Flags, all read from ``python/sglang/srt/server_args.py`` (sgl-project/sglang, the 0.5.4 line: the
-version with ``--grpc-mode`` and the NSA attention backends), ``ServerArgs.add_cli_args``:
+Flags, all read from ``python/sglang/srt/server_args.py`` (sgl-project/sglang),
+``ServerArgs.add_cli_args``; present in every version with a flag file:
 
 - ``--model-path`` (alias ``--model``), ``--served-model-name``, ``--host``, ``--port``.
 - ``--tp-size`` (alias ``--tensor-parallel-size``), ``--pp-size`` (alias
@@ -12,6 +13,12 @@ version with ``--grpc-mode`` and the NSA attention backends), ``ServerArgs.add_c
   0.83-0.9, which is why the memory estimate assumes 0.85).
 - Multi-node: ``--nnodes``, ``--node-rank``, ``--dist-init-addr HOST:PORT`` (alias
   ``--nccl-init-addr``); tp * pp GPUs are split evenly over the nodes.
+- ``--api-key KEY``: the shard's secret (``StartShard.api_key``).
+
+Choices are not typed here: ``--dtype`` and ``--quantization`` are checked against the flag set of
+the version the node runs (``agent/engines/flags/sglang-<version>.json``, produced from SGLang's
+own parser by ``python -m enginebuild.flags sglang VERSION``): 0.5.4 has no ``auto-round``, later
+versions do. The whole command line, ``extra_args`` included, must parse as that version parses it.
 
 Readiness: ``/health`` (``/health_generate`` runs a real generation and is too heavy to poll while
 loading) and ``/v1/models``. Ranks > 0 of a multi-node replica run only schedulers; SGLang gives
@@ -33,41 +40,17 @@ from agent.engines import base
 from agent.engines.base import Command, Engine, LaunchContext, Readiness, StopBehaviour
 
 NAME = "sglang"
-VERSION = "0.5.4"
 
-DTYPES = base.TORCH_DTYPES
-QUANTIZATIONS = (
-    "awq",
-    "fp8",
-    "gptq",
-    "marlin",
-    "gptq_marlin",
-    "awq_marlin",
-    "bitsandbytes",
-    "gguf",
-    "modelopt",
-    "modelopt_fp8",
-    "modelopt_fp4",
-    "petit_nvfp4",
-    "w8a8_int8",
-    "w8a8_fp8",
-    "moe_wna16",
-    "qoq",
-    "w4afp8",
-    "mxfp4",
-    "auto-round",
-    "compressed-tensors",
-)
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 
-STOP = StopBehaviour(note="no drain flag at 0.5.4: SIGTERM aborts in-flight requests")
+STOP = StopBehaviour(note="no drain flag: SIGTERM aborts in-flight requests")
 
 
 def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1) -> None:
+    """The rules that hold for every version; the version's choices are checked in
+    ``build_command``, where the node's version is known."""
     base.check_required(profile, NAME)
     base.check_env(profile)
-    base.check_choice("dtype", profile.dtype, DTYPES, f"SGLang {VERSION}")
-    base.check_choice("quantization", profile.quantization, QUANTIZATIONS, f"SGLang {VERSION}")
     base.check_gpus_present(gpus, NAME)
     base.check_parallel_fit(profile, gpus, nnodes)
     base.check_capability(profile, gpus)
@@ -81,10 +64,13 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
 
 
 def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
+    """The launch for the node's SGLang version; raises ProfileRefused for what it would refuse."""
     profile = base.require_profile(spec)
+    fs = base.flag_set(NAME, ctx)
+    base.check_flag_choice(fs, "--dtype", profile.dtype, "dtype", profile.extra_args)
+    base.check_flag_choice(fs, "--quantization", profile.quantization, "quantization", profile.extra_args)
     tp, pp = base.parallel_sizes(profile)
     argv = [
-        *ctx.argv_prefix,
         "--model-path",
         profile.model,
         "--served-model-name",
@@ -117,8 +103,12 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
             base.host_port(spec.master_addr, spec.master_port),
         ]
         env.update(base.multinode_env(ctx))
+    if spec.api_key:
+        base.check_no_api_key_option(fs, spec)
+        argv += ["--api-key", spec.api_key]
     argv += profile.extra_args
-    return Command(argv=tuple(argv), env=base.merge_env(env, profile))
+    base.check_command_line(fs, argv)
+    return Command(argv=(*ctx.argv_prefix, *argv), env=base.merge_env(env, profile))
 
 
 def readiness(spec: schema.StartShard) -> Readiness:

@@ -23,6 +23,13 @@ not drive). ``quantization`` is read from the checkpoint too; the profile may st
 ``QuantAlgo`` name from ``tensorrt_llm/quantization/mode.py``) for the capability and memory
 checks, and it is not passed on the command line.
 
+trtllm-serve has no API-key option: the control plane sends no key for its shards, and a key sent
+anyway is refused (``base.check_no_api_key_option``) rather than dropped, since an engine started
+without it would answer anyone. The whole command line, ``extra_args`` included, is checked against
+the flag set of the version the node runs (``agent/engines/flags/trtllm-<version>.json``, from the
+click decorators of ``tensorrt_llm/commands/serve.py`` by ``python -m enginebuild.flags trtllm
+VERSION``).
+
 Readiness: ``/health``, then ``/v1/models`` must list the served name (which of the two names a
 path gets depends on the node's filesystem, so only the running server can say). Stop: SIGTERM; no
 drain flag.
@@ -124,12 +131,17 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
     )
 
 
+#: The words before the arguments a flag set describes (its ``program`` is ``trtllm-serve serve``).
+SUBCOMMAND = "serve"
+
+
 def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
+    """The launch for the node's TensorRT-LLM version; raises ProfileRefused for what it would refuse."""
     profile = base.require_profile(spec)
+    fs = base.flag_set(NAME, ctx)
+    base.check_no_api_key_option(fs, spec)
     tp, pp = base.parallel_sizes(profile)
     argv = [
-        *ctx.argv_prefix,
-        "serve",
         profile.model,
         "--host",
         ctx.host,
@@ -150,7 +162,10 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
             base.fmt_number(profile.gpu_memory_utilization),
         ]
     argv += profile.extra_args
-    return Command(argv=tuple(argv), env=base.merge_env(base.gpu_env(spec), profile))
+    base.check_command_line(fs, argv)
+    return Command(
+        argv=(*ctx.argv_prefix, SUBCOMMAND, *argv), env=base.merge_env(base.gpu_env(spec), profile)
+    )
 
 
 def readiness(spec: schema.StartShard) -> Readiness:

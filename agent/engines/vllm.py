@@ -1,4 +1,4 @@
-"""vLLM: ``vllm serve MODEL ...``, pinned to **vLLM 0.18.0**.
+"""vLLM: ``vllm serve MODEL ...``, for the vLLM version the node runs (0.18.x and 0.33.x files).
 
 Flags, and where each was read (vllm-project/vllm):
 
@@ -13,14 +13,17 @@ Flags, and where each was read (vllm-project/vllm):
   (``vllm/config/parallel.py``: ``local_world_size = world_size // nnodes``).
 - ``--headless`` on ranks > 0: ``vllm/entrypoints/cli/serve.py`` (``run_headless`` starts the
   workers and no API server) and ``docs/serving/parallelism_scaling.md``.
-- ``--shutdown-timeout SECONDS``: added by vllm-project/vllm#34730, first released in 0.18.0 (the
-  release this module pins); 0, the default, aborts in-flight requests on SIGTERM, N drains them
-  for up to N seconds. Older vLLM rejects the flag, so it is only emitted when the launch context
-  asks for a drain window.
+- ``--shutdown-timeout SECONDS``: added by vllm-project/vllm#34730, first released in 0.18.0; 0,
+  the default, aborts in-flight requests on SIGTERM, N drains them for up to N seconds. Emitted
+  only when the node's version has it (older vLLM exits on the unknown flag), and set below the
+  supervisor's SIGKILL deadline (``base.drain_seconds``).
+- ``--api-key KEY``: the shard's secret (``StartShard.api_key``); vLLM answers 401 on ``/v1/*``
+  without it and leaves ``/health`` and ``/metrics`` open, which the supervisor's probes use.
 
-Choices checked before launch: ``--dtype`` (``ModelDType``) and ``--quantization``
-(``QuantizationMethods`` in ``vllm/model_executor/layers/quantization/__init__.py``, the list of
-the 0.15-0.18 line).
+Choices are not typed here: ``--dtype`` and ``--quantization`` are checked against the flag set of
+the version the node runs (``agent/engines/flags/vllm-<version>.json``, produced from vLLM's own
+code by ``python -m enginebuild.flags vllm VERSION``), deprecated quantizations included, and the
+whole command line, ``extra_args`` too, must parse as that version parses it.
 
 Readiness: ``/health`` answers 200 once the engine is up, and ``/v1/models`` lists the served
 name. A headless rank serves no HTTP: it is ready when rank 0 is.
@@ -32,43 +35,33 @@ from collections.abc import Sequence
 
 import schema
 from agent.discovery.model import GpuInfo
-from agent.engines import base
+from agent.engines import base, flagsets
 from agent.engines.base import Command, Engine, LaunchContext, Readiness, StopBehaviour
 
 NAME = "vllm"
-VERSION = "0.18.0"
 
-DTYPES = base.TORCH_DTYPES
-QUANTIZATIONS = (
-    "awq",
-    "fp8",
-    "fbgemm_fp8",
-    "fp_quant",
-    "modelopt",
-    "modelopt_fp4",
-    "modelopt_mixed",
-    "gguf",
-    "gptq_marlin",
-    "awq_marlin",
-    "gptq",
-    "compressed-tensors",
-    "bitsandbytes",
-    "experts_int8",
-    "quark",
-    "moe_wna16",
-    "torchao",
-    "inc",
-    "mxfp4",
-    "petit_nvfp4",
-    "cpu_awq",
-)
+#: The words before the arguments a flag set describes (its ``program`` is ``vllm serve``).
+SUBCOMMAND = "serve"
+
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def _choices(flag: str) -> tuple[str, ...]:
+    option = flagsets.for_version(NAME, "").option(flag)
+    return tuple(str(c) for c in option.choices) if option is not None and option.choices else ()
+
+
+#: The oldest vLLM file's choices, for callers that check a profile without a node's version
+#: (the simulator's adapter); the adapter itself checks the node's version in ``build_argv``.
+VERSION = flagsets.for_version(NAME, "").version
+DTYPES = _choices("--dtype")
+QUANTIZATIONS = _choices("--quantization")
 
 STOP = StopBehaviour(
     graceful_flag="--shutdown-timeout",
     drains_in_flight=True,
-    note="drains in-flight requests only when started with --shutdown-timeout N > 0 (0.18.0+); "
-    "otherwise SIGTERM aborts them",
+    note="drains in-flight requests only when started with --shutdown-timeout N > 0 (0.18.0+, set "
+    "below the SIGKILL deadline); otherwise SIGTERM aborts them",
 )
 
 
@@ -80,11 +73,10 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
 def validate_as(
     engine: str, profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1
 ) -> None:
-    """The vLLM rules under another adapter's name (the simulator speaks vLLM's command line)."""
+    """The vLLM rules under another adapter's name (the simulator speaks vLLM's command line).
+    The version's choices are checked where the version is known, in ``build_argv``."""
     base.check_required(profile, engine)
     base.check_env(profile)
-    base.check_choice("dtype", profile.dtype, DTYPES, f"vLLM {VERSION}")
-    base.check_choice("quantization", profile.quantization, QUANTIZATIONS, f"vLLM {VERSION}")
     base.check_gpus_present(gpus, engine)
     base.check_parallel_fit(profile, gpus, nnodes)
     base.check_capability(profile, gpus)
@@ -92,12 +84,14 @@ def validate_as(
 
 
 def build_argv(spec: schema.StartShard, ctx: LaunchContext) -> tuple[str, ...]:
-    """``vllm serve`` argv; shared with the simulator, which accepts exactly this command line."""
+    """``vllm serve`` argv for the node's vLLM version; shared with the simulator, which parses it
+    with the same version's flag set. Raises ProfileRefused for what that version would refuse."""
     profile = base.require_profile(spec)
+    fs = base.flag_set(NAME, ctx)
+    base.check_flag_choice(fs, "--dtype", profile.dtype, "dtype", profile.extra_args)
+    base.check_flag_choice(fs, "--quantization", profile.quantization, "quantization", profile.extra_args)
     tp, pp = base.parallel_sizes(profile)
     argv = [
-        *ctx.argv_prefix,
-        "serve",
         profile.model,
         "--served-model-name",
         base.served_name(profile),
@@ -118,8 +112,12 @@ def build_argv(spec: schema.StartShard, ctx: LaunchContext) -> tuple[str, ...]:
         argv += ["--max-model-len", str(profile.max_model_len)]
     if profile.gpu_memory_utilization:
         argv += ["--gpu-memory-utilization", base.fmt_number(profile.gpu_memory_utilization)]
-    if ctx.shutdown_timeout_seconds > 0:
-        argv += ["--shutdown-timeout", str(round(ctx.shutdown_timeout_seconds))]
+    drain = base.drain_seconds(ctx.shutdown_timeout_seconds)
+    if drain > 0 and fs.option("--shutdown-timeout") is not None:
+        argv += ["--shutdown-timeout", str(drain)]
+    if spec.api_key:
+        base.check_no_api_key_option(fs, spec)
+        argv += ["--api-key", spec.api_key]
     if spec.nnodes > 1:
         argv += [
             "--nnodes",
@@ -134,7 +132,8 @@ def build_argv(spec: schema.StartShard, ctx: LaunchContext) -> tuple[str, ...]:
         if spec.node_rank > 0:
             argv.append("--headless")
     argv += profile.extra_args
-    return tuple(argv)
+    base.check_command_line(fs, argv)
+    return (*ctx.argv_prefix, SUBCOMMAND, *argv)
 
 
 def build_env(spec: schema.StartShard, ctx: LaunchContext) -> dict[str, str]:
