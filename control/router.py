@@ -824,9 +824,9 @@ def connection_cap(wanted: int) -> int:
         return wanted
     cap = max(1, (soft - _FDS_RESERVED) // _FDS_PER_CONNECTION)
     log.warning(
-        "router: router_max_connections %d needs %d descriptors, this process may open %d (hard limit "
-        "%s); serving at most %d client connections: raise the limit (LimitNOFILE= in the unit, "
-        "ulimit -n) to serve more",
+        "router: a cap of %d client connections (router_max_connections, --max-connections) needs %d "
+        "descriptors, this process may open %d (hard limit %s); serving at most %d client "
+        "connections: raise the limit (LimitNOFILE= in the unit, ulimit -n) to serve more",
         wanted,
         need,
         soft,

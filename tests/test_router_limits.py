@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -29,8 +30,16 @@ NO_ENGINE = "m=http://127.0.0.1:9"
 
 class RouterProcess:
     def __init__(
-        self, tmp_path: Path, *flags: str, host: str = "127.0.0.1", env: dict[str, str] | None = None
+        self,
+        tmp_path: Path,
+        *flags: str,
+        host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+        nofile: int = 0,
     ):
+        def limit() -> None:  # in the child, before exec: its descriptor limit, soft and hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.log = tmp_path / "router.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -49,6 +58,7 @@ class RouterProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
+                preexec_fn=limit if nofile else None,
             )
 
         def ready() -> int | None:
@@ -279,3 +289,25 @@ def test_the_client_limits_are_in_the_config_with_their_defaults_and_checked_at_
     ):
         with pytest.raises(ConfigError, match=re.escape(words)):
             parse(f"\n{line}\n" + endpoints)
+
+
+def test_a_cap_the_descriptor_limit_cannot_hold_is_lowered_with_one_warning(
+    routers: list[RouterProcess], tmp_path: Path
+) -> None:
+    """A router allowed 400 descriptors (hard limit) asked for 1,000 connections says so once at
+    start and serves 48 ((400 - 256 reserved) / 3 per connection): the 49th gets the 503, where an
+    uncapped accept loop would run out of descriptors."""
+    router = RouterProcess(tmp_path, "--max-connections", "1000", "--header-timeout", "60", nofile=400)
+    routers.append(router)
+    log = router.log.read_text()
+    assert "serving at most 48 client connections" in log and log.count("WARNING") == 1, log
+    held = [socket.create_connection(("127.0.0.1", router.port)) for _ in range(48)]
+    try:
+
+        def refused() -> bool:
+            return httpx.get(f"{router.url}/health", timeout=10).status_code == 503
+
+        poll("the 49th connection to be refused", refused, timeout=20)
+    finally:
+        for sock in held:
+            sock.close()
