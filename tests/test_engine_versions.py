@@ -134,6 +134,18 @@ def test_console_script_version_from_its_interpreter(
     assert _detect("vllm", ("vllm",)) == Installed("vllm", version="0.33.0")
 
 
+def test_an_engine_behind_a_container_runtime_is_not_probed(bin_dir: Path, tmp_path: Path) -> None:
+    """``docker run ... IMAGE`` plus ``--version`` would start a container that outlives the
+    probe's deadline; the agent says why it has no version instead of running it."""
+    ran = tmp_path / "ran"
+    _script(bin_dir, "docker", f"touch {ran}")
+    found = _detect("vllm", ("docker", "run", "--rm", "vllm/vllm-openai:v0.18.0"))
+    assert found == Installed(
+        "vllm", error="not probed: vllm runs through docker, and a probe would start a container"
+    )
+    assert not ran.exists()
+
+
 def test_sim_reports_the_vllm_version_it_imitates() -> None:
     found = _detect("sim", (sys.executable, "-m", "agent.engines.sim"))
     assert found == Installed("sim", version=vllm.VERSION)

@@ -49,6 +49,10 @@ MAX_TEXT = 240
 #: The distribution whose metadata says a Python engine's version, when the engine runs from it.
 PACKAGES: Mapping[str, str] = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 
+#: Commands that start a container: ``--version`` appended to one would start the engine's image
+#: (pulling it first, maybe), and killing the client on the deadline would not stop the container.
+CONTAINER_RUNTIMES = frozenset({"docker", "podman", "nerdctl", "apptainer", "singularity", "enroot"})
+
 #: Printed by ``PYTHON -c METADATA_SNIPPET DIST``: the installed version, exit 1 when not installed.
 METADATA_SNIPPET = (
     "import importlib.metadata as m, sys\n"
@@ -175,6 +179,12 @@ async def detect_one(engine: str, argv_prefix: Sequence[str], timeout: float = T
     """``engine``'s installed version, or why it is unknown, within ``timeout`` seconds."""
     if not argv_prefix:
         return Installed(engine, error=f"{engine}: no command configured")
+    runtime = os.path.basename(argv_prefix[0])
+    if runtime in CONTAINER_RUNTIMES:
+        return Installed(
+            engine,
+            error=f"not probed: {engine} runs through {runtime}, and a probe would start a container",
+        )
     which, script = await trio.to_thread.run_sync(_locate, engine, tuple(argv_prefix))
     if which is None:
         return Installed(engine, error=f"{argv_prefix[0]}: command not found")
