@@ -5,17 +5,21 @@ from __future__ import annotations
 import logging
 import re
 
+import pytest
 import trio
+from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from control.transport import ServerLimits, StreamServer
 from control.transport.bursts import BurstCounter
+from tests.rawh2 import PREFACE, split_frames
 from tests.wirepeers import echo_handler
 
 CROWD = 300
-INDIVIDUAL = re.compile(r"127\.0\.0\.1:\d+: no TLS handshake or request within 0\.5 s; closing")
+_LINE = r"127\.0\.0\.1:\d+: no (?:TLS handshake or request|request) within 0\.5 s(?: of the HTTP/2 preface)?; closing"
+INDIVIDUAL = re.compile(_LINE)
 SUMMARY = re.compile(
     r"closed ([\d,]+) more connections that sent no TLS handshake or request within 0\.5 s, "
-    r"in the last 2 s \(the last: 127\.0\.0\.1:\d+: no TLS handshake or request within 0\.5 s; closing\)"
+    rf"in the last 2 s \(the last: {_LINE}\)"
 )
 
 
@@ -39,7 +43,12 @@ class _Lines(logging.Handler):
         return [int(m.group(1).replace(",", "")) for line in self.lines if (m := SUMMARY.fullmatch(line))]
 
 
-async def test_idle_connections_are_closed_and_logged_once_with_a_count(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("says", ["nothing", "preface"])
+async def test_idle_connections_are_closed_and_logged_once_with_a_count(
+    nursery: trio.Nursery, says: str
+) -> None:
+    """``nothing``: TCP connections that send no byte; ``preface``: HTTP/2 connections that send the
+    preface and SETTINGS and never open a stream (these were held as long as they answered PINGs)."""
     logger = logging.getLogger("llmgw.control.transport")
     handler = _Lines()
     logger.addHandler(handler)
@@ -50,14 +59,24 @@ async def test_idle_connections_are_closed_and_logged_once_with_a_count(nursery:
         server = StreamServer(echo_handler, limits=limits)
         port = await nursery.start(server.serve, "127.0.0.1", 0)
         conns = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(CROWD)]
+        if says == "preface":
+            for conn in conns:
+                await conn.send_all(PREFACE + SettingsFrame(0).serialize())
         closed = 0
 
         async def wait_closed(conn: trio.SocketStream) -> None:
             nonlocal closed
+            got = b""
             try:
-                assert await conn.receive_some(1) == b""  # the server sends nothing, then closes
+                while chunk := await conn.receive_some(65536):
+                    got += chunk
             except trio.BrokenResourceError:
                 pass  # closed with unread data in flight: a reset, closed all the same
+            if says == "nothing":
+                assert got == b""
+            else:  # our SETTINGS, then a GOAWAY that says why
+                goaway = [f for f in split_frames(got) if isinstance(f, GoAwayFrame)]
+                assert goaway and goaway[0].additional_data == b"no request within 0.5 s", got
             closed += 1
 
         with trio.fail_after(20):  # every connection is closed within its timeout, as before

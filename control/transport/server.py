@@ -734,6 +734,7 @@ class StreamServer:
                 nursery.start_soon(
                     transport.keepalive, self.limits.keepalive_interval, self.limits.keepalive_timeout
                 )
+                nursery.start_soon(self._first_request_due, transport, peer)
                 await transport.flush()
                 if prefix:
                     if not await self._feed(transport, nursery, peer, prefix):
@@ -761,6 +762,24 @@ class StreamServer:
         finally:
             self._transports.discard(transport)
             self._resets.pop(transport, None)
+
+    async def _first_request_due(self, transport: H2Transport, peer: PeerIdentity) -> None:
+        """Close an HTTP/2 connection that opens no stream within ``handshake_timeout``.
+
+        An agent opens its stream right after the server's SETTINGS; a connection that only said
+        the preface (a scanner, a stuck or hostile client) would otherwise be held for as long as it
+        answers PINGs. It ends with GOAWAY(NO_ERROR) saying why, logged as a burst line.
+        """
+        await trio.sleep(self.limits.handshake_timeout)
+        if transport.conn.highest_inbound_stream_id or transport.error is not None:
+            return
+        timeout = self.limits.handshake_timeout
+        self._silent_log.note(
+            "%s: no request within %g s of the HTTP/2 preface; closing", peer.address, timeout
+        )
+        transport.fail(TransportErrorClosed(f"no request within {timeout:g} s"))
+        await transport.goaway(ErrorCodes.NO_ERROR, f"no request within {timeout:g} s")
+        await transport.abort()
 
     async def _feed(
         self, transport: H2Transport, nursery: trio.Nursery, peer: PeerIdentity, data: bytes
