@@ -156,6 +156,14 @@ def engine_version_problem(engine: str, constraint: str, engines: Mapping[str, E
         if not engines:
             return f"reports no engine versions (its agent predates version detection); {constraint} cannot be checked"
         return f"reports no {engine} version; {constraint} cannot be checked"
+    return _installed_problem(engine, constraint, found.version, found.error)
+
+
+@functools.lru_cache(maxsize=4096)
+def _installed_problem(engine: str, constraint: str, version_text: str, error: str) -> str:
+    """:func:`engine_version_problem` for a reported engine; cached, since a fleet reports few
+    distinct versions and a placement pass asks once per node."""
+    found = EngineView(version_text, error)
     if not found.version:
         if "command not found" in found.error:
             return f"{engine} not installed ({found.error})"
