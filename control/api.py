@@ -334,7 +334,8 @@ class ApiGuard:
     def has_tokens(self) -> bool:
         return bool(self.read_tokens or self.admin_tokens)
 
-    def _own_host(self, value: str) -> bool:
+    def own_host(self, value: str) -> bool:
+        """Whether a Host header value names this API: its port, and one of its names (above)."""
         value = value.strip().lower()
         if value.startswith("["):
             name, _, rest = value[1:].partition("]")
@@ -367,7 +368,7 @@ class ApiGuard:
                 "web page",
             )
         host = headers.get(b"host", b"").decode(errors="replace")
-        if not self._own_host(host):
+        if not self.own_host(host):
             raise ApiError(
                 403,
                 f"Host {host[:100]!r} is not this admin API's address (port {self.port}); use its listen "

@@ -231,3 +231,28 @@ def test_mutual_tls_on_the_admin_listener(tmp_path: Path) -> None:
         assert plain.returncode == 1, plain
     finally:
         control.terminate()
+
+
+def test_which_host_headers_are_the_apis_own() -> None:
+    """The Host rule on its own: the listen address, localhost and 127.0.0.1 with the bound port;
+    any IP literal when listening on every address; names from ``[api] hosts``; nothing else."""
+    from control.api import ApiGuard
+    from control.config import AdminApi
+
+    def own(listen: str, port: int, hosts: tuple[str, ...] = (), tls: bool = False) -> Any:
+        guard = ApiGuard.from_config(AdminApi(hosts=hosts), listen, port, tls=tls)
+        return guard.own_host
+
+    loopback = own("127.0.0.1", 7080)
+    for host in ("127.0.0.1:7080", "localhost:7080", "LOCALHOST:7080", "[::1]:7080", "localhost.:7080"):
+        assert loopback(host), host
+    for host in ("127.0.0.1:7081", "127.0.0.1", "evil.example:7080", "10.0.0.5:7080", "", "127.0.0.1:70x"):
+        assert not loopback(host), host
+    everywhere = own("0.0.0.0", 7080, hosts=("cp.example.internal",))
+    for host in ("10.0.0.5:7080", "[fd00::2]:7080", "cp.example.internal:7080", "CP.example.internal.:7080"):
+        assert everywhere(host), host
+    for host in ("evil.example:7080", "cp.example.internal:80", "10.0.0.5.nip.io:7080"):
+        assert not everywhere(host), host
+    # A Host without a port means the scheme's default port.
+    assert own("10.0.0.5", 80)("10.0.0.5") and own("10.0.0.5", 443, tls=True)("10.0.0.5")
+    assert not own("10.0.0.5", 443)("10.0.0.5")
