@@ -16,6 +16,9 @@ plane on this machine without ``[api]`` tokens answers); for HTTPS, ``--cacert``
                      a model would be left without a ready replica, unless --force; --wait shows
                      progress until NODE is empty (exit 1 if --timeout S passes first)
     uncordon NODE    undo a cordon or a drain (replicas that already moved stay where they are)
+    token            the cluster join token: agents join with --token (or LLMGW_AGENT_TOKEN) set to it
+    node reset NODE  forget NODE's credential, so it can join again with the join token (a node
+                     reinstalled on purpose; until then nothing can speak for it with the token)
 """
 
 from __future__ import annotations
@@ -70,6 +73,12 @@ def engines_cell(engines: list[dict[str, str]]) -> str:
 
 def render(command: str, doc: Any) -> str:
     if command == "nodes":
+        insecure = any(n.get("insecure") for n in doc)
+        warning = (
+            "WARNING: insecure = true: this control plane accepts agents with no authentication\n"
+            if insecure
+            else ""
+        )
         rows = [
             [
                 n["node_id"],
@@ -84,9 +93,27 @@ def render(command: str, doc: Any) -> str:
             ]
             for n in doc
         ]
-        return _table(
-            rows, ["NODE", "STATE", "SINCE", "GPUS FREE", "GPU", "FABRICS", "ADDRESS", "ENGINES", "REASON"]
-        )
+        for row, n in zip(rows, doc, strict=True):
+            row.insert(2, n.get("auth") or "-")
+        header = [
+            "NODE",
+            "STATE",
+            "AUTH",
+            "SINCE",
+            "GPUS FREE",
+            "GPU",
+            "FABRICS",
+            "ADDRESS",
+            "ENGINES",
+            "REASON",
+        ]
+        return warning + _table(rows, header)
+    if command == "token":
+        return str(doc["token"])
+    if command == "node":
+        if doc["forgotten"]:
+            return f"{doc['node_id']}: credential forgotten; it joins again with the join token (`ctl token`)"
+        return f"{doc['node_id']}: had no credential here; it joins with the join token (`ctl token`)"
     if command == "replicas":
         rows = []
         for r in doc:
@@ -267,6 +294,10 @@ def ctl(argv: Sequence[str]) -> int:
     logs.add_argument("-n", "--lines", type=int, default=100)
     sub.add_parser("cordon").add_argument("node")
     sub.add_parser("uncordon").add_argument("node")
+    sub.add_parser("token", help="print the cluster join token")
+    node_parser = sub.add_parser("node", help="node membership: node reset NODE")
+    node_sub = node_parser.add_subparsers(dest="node_command", required=True)
+    node_sub.add_parser("reset", help="forget NODE's credential; it joins again").add_argument("node")
     drain = sub.add_parser("drain")
     drain.add_argument("node")
     drain.add_argument(
@@ -276,7 +307,7 @@ def ctl(argv: Sequence[str]) -> int:
     drain.add_argument(
         "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
     )
-    for subparser in sub.choices.values():
+    for subparser in [*sub.choices.values(), *node_sub.choices.values()]:
         _add_global_options(subparser, defaults=False)
     args = parser.parse_args(argv)
     if not re.fullmatch(r"https?://[^/\s?#]+/?", args.api):
@@ -295,6 +326,8 @@ def ctl(argv: Sequence[str]) -> int:
         method, path = "POST", f"/api/drain/{args.node}" + ("?force=1" if args.force else "")
     elif args.command in ("cordon", "uncordon"):
         method, path = "POST", f"/api/{args.command}/{args.node}"
+    elif args.command == "node":
+        method, path = "POST", f"/api/reset/{args.node}"
     url = args.api.rstrip("/") + path
     try:
         # Writes carry a JSON body: the API refuses any other content type for them (see

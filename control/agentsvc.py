@@ -34,7 +34,7 @@ from control.fleet import Fleet, Transition
 from control.joins import JoinBook, same_secret
 from control.transport import ServerStream
 from schema.h2io import peer_text
-from schema.ids import node_id_problem, shard_id_problem
+from schema.ids import NODE_ID, node_id_problem, shard_id_problem
 from schema.rpc import Code, RpcError
 
 log = logging.getLogger("llmgw.control.agentsvc")
@@ -174,6 +174,11 @@ def register_problem(reg: schema.Register) -> str:
     )
 
 
+def _name_text(name: str) -> str:
+    """A certificate name for a message: as it is when it is a plain node id, else escaped."""
+    return name if NODE_ID.fullmatch(name) else peer_text(name)
+
+
 @attrs.frozen
 class Admission:
     """Whether a Register may speak for its node id, and how it proved it (``ctl nodes`` shows it)."""
@@ -244,7 +249,7 @@ class AgentService:
             if node_id not in peer.names():
                 return Admission(
                     f"Register names node {node_id!r} but the client certificate is for "
-                    f"{', '.join(map(peer_text, peer.names())) or 'no name'}"
+                    f"{', '.join(map(_name_text, peer.names())) or 'no name'}"
                 )
             return Admission(method="mtls")
         expected = self.tokens.get(node_id)

@@ -14,6 +14,8 @@ agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times ar
                                     the reason when a model would be left without a ready replica
     GET  /api/drain/NODE            what still runs on NODE, and where each replacement stands
     POST /api/uncordon/NODE         undo a cordon or a drain (replicas already moved stay moved)
+    GET  /api/token                 the cluster join token agents join with (a secret: admin only)
+    POST /api/reset/NODE            forget NODE's credential: it joins again with the join token
 
 Cordons and drains are written to the state file before the answer, so they survive a restart.
 
@@ -92,6 +94,10 @@ def nodes_doc(plane: ControlPlane) -> list[dict[str, Any]]:
                     for name, e in engine_views(reg).items()
                 ],
                 "discovery_error": reg.discovery_error,
+                # How its stream proved it speaks for the node: mtls, node token, credential, join
+                # token, or insecure (no authentication: `insecure = true`).
+                "auth": plane.agents.admitted_by.get(node.node_id, ""),
+                "insecure": plane.config.insecure,
                 "shards": sorted(node.shards),
                 "history": [
                     {
@@ -491,6 +497,22 @@ def make_app(
                 except KeyError as exc:
                     raise ApiError(404, str(exc.args[0])) from exc
                 body = {"node_id": parts[2], "undone": undone.value if undone else ""}
+            elif method == "GET" and parts == ["api", "token"]:
+                joins = plane.agents.joins
+                if joins is None:
+                    raise ApiError(503, "the join token is not loaded yet; try again in a moment")
+                body = {"token": joins.join_token(), "file": str(joins.token_path)}
+            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "reset"]:
+                joins = plane.agents.joins
+                if joins is None:
+                    raise ApiError(503, "the node credentials are not loaded yet; try again in a moment")
+                forgotten = await joins.reset(parts[2])
+                if forgotten:
+                    log.info(
+                        "node %r: credential forgotten by an admin; it joins again with the join token",
+                        parts[2],
+                    )
+                body = {"node_id": parts[2], "forgotten": forgotten}
             else:
                 raise ApiError(404, f"no route {method} {path}")
         except ApiError as exc:
