@@ -33,6 +33,7 @@
     [api]                          # the admin API (`ctl`); without tokens it answers loopback only
     read_tokens = ["..."]          # bearer tokens that may read: nodes, replicas, why, logs
     admin_tokens = ["..."]         # bearer tokens that may also write: cordon, drain, uncordon
+                                   # (tokens and metrics_key: 16+ characters, `openssl rand -hex 16`)
     hosts = ["cp.example.internal"]     # Host names it answers to besides its listen address
     [api.tls]                      # optional: HTTPS, and with client_ca + require_client_cert mTLS
     cert = "api.pem"
