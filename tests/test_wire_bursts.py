@@ -24,23 +24,28 @@ SUMMARY = re.compile(
 
 
 class _Lines(logging.Handler):
-    """The transport's log lines, and an event set once the crowd is all accounted for."""
+    """The transport's log lines, and an event set once ``total`` lines are accounted for: logged
+    one by one (``individual``) or counted in a summary line (``summary``, the count its group 1)."""
 
-    def __init__(self) -> None:
+    def __init__(self, individual: re.Pattern[str], summary: re.Pattern[str], total: int = CROWD) -> None:
         super().__init__(logging.INFO)
+        self.patterns = (individual, summary)
+        self.total = total
         self.lines: list[str] = []
         self.accounted = trio.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
-        if len(self.individual()) + sum(self.summed()) >= CROWD:
+        if len(self.individual()) + sum(self.summed()) >= self.total:
             self.accounted.set()
 
     def individual(self) -> list[str]:
-        return [line for line in self.lines if INDIVIDUAL.fullmatch(line)]
+        return [line for line in self.lines if self.patterns[0].fullmatch(line)]
 
     def summed(self) -> list[int]:
-        return [int(m.group(1).replace(",", "")) for line in self.lines if (m := SUMMARY.fullmatch(line))]
+        return [
+            int(m.group(1).replace(",", "")) for line in self.lines if (m := self.patterns[1].fullmatch(line))
+        ]
 
 
 @pytest.mark.parametrize("says", ["nothing", "preface"])
@@ -50,7 +55,7 @@ async def test_idle_connections_are_closed_and_logged_once_with_a_count(
     """``nothing``: TCP connections that send no byte; ``preface``: HTTP/2 connections that send the
     preface and SETTINGS and never open a stream (these were held as long as they answered PINGs)."""
     logger = logging.getLogger("llmgw.control.transport")
-    handler = _Lines()
+    handler = _Lines(INDIVIDUAL, SUMMARY)
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)
@@ -58,9 +63,10 @@ async def test_idle_connections_are_closed_and_logged_once_with_a_count(
         limits = ServerLimits(handshake_timeout=0.5, log_burst_keep=3, log_burst_interval=2.0)
         server = StreamServer(echo_handler, limits=limits)
         port = await nursery.start(server.serve, "127.0.0.1", 0)
-        conns = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(CROWD)]
-        if says == "preface":
-            for conn in conns:
+        conns = []
+        for _ in range(CROWD):
+            conns.append(conn := await trio.open_tcp_stream("127.0.0.1", port))
+            if says == "preface":  # at once: the preface itself is due within the 0.5 s
                 await conn.send_all(PREFACE + SettingsFrame(0).serialize())
         closed = 0
 
@@ -97,6 +103,36 @@ async def test_idle_connections_are_closed_and_logged_once_with_a_count(
     # One summary per 2 s interval the crowd's timeouts spanned (a few at most), not 297 lines.
     assert 1 <= len(summaries) <= 4, handler.lines
     assert len(handler.lines) == 1 + 3 + len(summaries), handler.lines  # with "agent streams on ..."
+
+
+async def test_http1_requests_on_the_agent_port_are_answered_and_logged_once(nursery: trio.Nursery) -> None:
+    """A load balancer's health check aimed at the agent port: each request still gets its 400."""
+    line = r"127\.0\.0\.1:\d+: HTTP/1\.1 request on the HTTP/2 port: 'GET /healthz HTTP/1\.1'"
+    handler = _Lines(
+        re.compile(line),
+        re.compile(
+            rf"([\d,]+) more HTTP/1\.1 requests on the HTTP/2 port in the last 1 s \(the last: {line}\)"
+        ),
+        total=40,
+    )
+    logger = logging.getLogger("llmgw.control.transport")
+    logger.addHandler(handler)
+    try:
+        server = StreamServer(echo_handler, limits=ServerLimits(log_burst_interval=1.0))
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        for _ in range(40):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as conn:
+                await conn.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = b""
+                with trio.fail_after(5):
+                    while chunk := await conn.receive_some(65536):
+                        answer += chunk
+                assert answer.startswith(b"HTTP/1.1 400 Bad Request"), answer
+        with trio.fail_after(10):
+            await handler.accounted.wait()
+    finally:
+        logger.removeHandler(handler)
+    assert len(handler.individual()) == 3 and 3 + sum(handler.summed()) == 40, handler.lines
 
 
 def test_burst_counter_keeps_the_first_and_sums_the_rest_per_interval() -> None:

@@ -447,6 +447,20 @@ class StreamServer:
             keep=keep,
             interval=interval,
         )
+        # A health check or a scanner aimed at this port repeats these once per connection too.
+        self._http1_log = BurstLog(
+            log,
+            "{count} more HTTP/1.1 requests on the HTTP/2 port in the last {interval} s (the last: {last})",
+            keep=keep,
+            interval=interval,
+        )
+        self._protocol_log = BurstLog(
+            log,
+            "{count} more connections ended for HTTP/2 protocol errors in the last {interval} s "
+            "(the last: {last})",
+            keep=keep,
+            interval=interval,
+        )
 
     @property
     def active_streams(self) -> int:
@@ -478,6 +492,8 @@ class StreamServer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._silent_log.run)
             nursery.start_soon(self._tls_failure_log.run)
+            nursery.start_soon(self._http1_log.run)
+            nursery.start_soon(self._protocol_log.run)
             await nursery.start(self._serve_connections, listeners, connections_scope)
             task_status.started(bound)
             try:
@@ -690,7 +706,9 @@ class StreamServer:
             + b"\r\n\r\n"
             + body
         )
-        log.warning("%s: HTTP/1.1 request on the HTTP/2 port: %s", peer.address, peer_text(request_line))
+        self._http1_log.note(
+            "%s: HTTP/1.1 request on the HTTP/2 port: %s", peer.address, peer_text(request_line)
+        )
         with trio.move_on_after(self.limits.handshake_timeout):
             try:
                 await stream.send_all(response)
@@ -795,7 +813,9 @@ class StreamServer:
             events = transport.feed(data)
         except h2.exceptions.ProtocolError as exc:
             detail = _protocol_error_text(exc, data)
-            log.warning("%s: HTTP/2 protocol error: %s; answered with GOAWAY", peer.address, detail)
+            self._protocol_log.note(
+                "%s: HTTP/2 protocol error: %s; answered with GOAWAY", peer.address, detail
+            )
             transport.fail(TransportErrorClosed(f"HTTP/2 protocol error: {detail}"))
             await transport.refuse(exc, detail)
             return False
