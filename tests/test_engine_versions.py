@@ -8,8 +8,10 @@ metadata, the simulator's own ``--version``, and llama.cpp's ``llama-server`` wh
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,9 +19,20 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.engines import versions, vllm
+from agent.engines import versions
 from agent.engines.versions import Installed, Probe, plan_probe, read_version
 from tests.fleet_procs import Agent, ControlProcess, free_port, pid_alive, poll, sim_processes
+
+
+@functools.cache
+def sim_version() -> str:
+    """What the simulator's own ``--version`` prints: the vLLM version it imitates, asked the way
+    an operator would (so these tests follow whichever version the simulator imitates)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "agent.engines.sim", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
 
 
 def _script(directory: Path, name: str, body: str) -> Path:
@@ -148,9 +161,10 @@ def test_an_engine_behind_a_container_runtime_is_not_probed(bin_dir: Path, tmp_p
 
 def test_sim_reports_the_vllm_version_it_imitates() -> None:
     found = _detect("sim", (sys.executable, "-m", "agent.engines.sim"))
-    assert found == Installed("sim", version=vllm.VERSION)
+    assert found == Installed("sim", version=sim_version())
+    assert re.fullmatch(r"\d+\.\d+\.\d+", found.version), found.version
     # The simulator standing in for vLLM (as the demo and fleet tests run it) reports the same.
-    assert _detect("vllm", (sys.executable, "-m", "agent.engines.sim")).version == vllm.VERSION
+    assert _detect("vllm", (sys.executable, "-m", "agent.engines.sim")).version == sim_version()
 
 
 def test_all_engines_at_once_within_one_deadline(bin_dir: Path) -> None:
@@ -264,13 +278,13 @@ name = "{plain}"
 
         why = cp.ctl("why", wanted)
         assert why.returncode == 0, why.stderr
-        assert f"      gpu07: sim {vllm.VERSION} does not satisfy >=99" in why.stdout, why.stdout
+        assert f"      gpu07: sim {sim_version()} does not satisfy >=99" in why.stdout, why.stdout
         assert "0/1 nodes are available: 1 do not have sim >=99." in why.stdout
 
         nodes = cp.ctl("nodes")
         assert nodes.returncode == 0, nodes.stderr
         row = next(line for line in nodes.stdout.splitlines() if line.startswith("gpu07"))
-        assert f"vllm {vllm.VERSION}" in row and f"sim {vllm.VERSION}" in row
+        assert f"vllm {sim_version()}" in row and f"sim {sim_version()}" in row
         assert "missing: " in row and "llamacpp" in row.split("missing: ", 1)[1]
         (node,) = cp.api("/api/nodes")
         reported = {e["engine"]: e for e in node["engines"]}
@@ -310,6 +324,6 @@ async def test_the_agent_builds_every_launch_context_with_the_version_it_found(
     async with trio.open_nursery() as nursery:
         supervisor = await nursery.start(run_agent, config, Inventory(source="static"))
         assert supervisor.launch_context("vllm").engine_version == "0.17.1"
-        assert supervisor.launch_context("sim").engine_version == vllm.VERSION
+        assert supervisor.launch_context("sim").engine_version == sim_version()
         assert supervisor.launch_context("llamacpp").engine_version == ""
         nursery.cancel_scope.cancel()
