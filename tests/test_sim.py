@@ -28,7 +28,7 @@ import trio
 
 import schema
 from agent.discovery.model import GpuInfo
-from agent.engines import LaunchContext, plan
+from agent.engines import LaunchContext, flagsets, plan
 from agent.engines.sim import ARGV_PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
@@ -444,6 +444,61 @@ def test_headless_rank_serves_no_http(start_sim: StartSim) -> None:
     assert "listening on" not in sim.stdout()
     sim.proc.send_signal(signal.SIGTERM)
     assert sim.wait_exit() == 0
+
+
+def test_vllm_refusals_in_vllms_words_and_status(start_sim: StartSim) -> None:
+    """An argv vLLM refuses is refused by the process, with vLLM's usage line, message and exit
+    status; the same argv runs where the imitated version accepts it."""
+    sim = start_sim("--bogus", "3", listen=False)
+    assert sim.wait_exit() == 2
+    assert sim.stderr() == (
+        "usage: vllm serve [model_tag] [options]\nvllm serve: error: unrecognized arguments: --bogus 3\n"
+    )
+    sim = start_sim("-q", "gguf", listen=False)  # the newest vLLM dropped gguf
+    assert sim.wait_exit() == 2
+    assert (
+        "vllm serve: error: argument --quantization/-q: invalid choice: 'gguf' (choose from " in sim.stderr()
+    )
+    sim = start_sim("-q", "fbgemm_fp8", listen=False, env={"LLMGW_SIM_VLLM_VERSION": "0.18.0"})
+    assert sim.wait_exit() == 1
+    assert "fbgemm_fp8 is deprecated and needs --allow-deprecated-quantization" in sim.stderr()
+    sim = start_sim("-q", "gguf", env={"LLMGW_SIM_VLLM_VERSION": "0.18.0"})
+    sim.wait_ready()
+    assert "command line parsed as vLLM 0.18.0 parses it" in sim.stdout()
+
+
+def test_version_is_the_imitated_vllms(start_sim: StartSim) -> None:
+    sim = start_sim(argv=(*ARGV_PREFIX, "--version"), listen=False)
+    assert sim.wait_exit() == 0
+    assert sim.stdout().strip() == flagsets.available("vllm")[-1]
+    sim = start_sim(argv=(*ARGV_PREFIX, "--version"), listen=False, env={"LLMGW_SIM_VLLM_VERSION": "0.18.5"})
+    assert sim.wait_exit() == 0
+    assert sim.stdout().strip() == "0.18.0"
+
+
+def test_api_key_guards_v1_like_vllm(start_sim: StartSim) -> None:
+    """--api-key: /v1/* without the bearer (or with another) is 401 {"error": "Unauthorized"};
+    /health and /metrics stay open; the openai client with the key is served."""
+    sim = start_sim("--api-key", "s3cret")
+    sim.wait_ready()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = httpx.get(f"{sim.url}/v1/models", headers=headers, timeout=5)
+        assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, headers
+    r = httpx.post(f"{sim.url}/v1/chat/completions", json={"model": "sim-model", "messages": []}, timeout=5)
+    assert r.status_code == 401
+    assert httpx.get(f"{sim.url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{sim.url}/metrics", timeout=5).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        sim.client().models.list()
+    keyed = openai.OpenAI(base_url=f"{sim.url}/v1", api_key="s3cret", max_retries=0)
+    reply = keyed.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert reply.model == "sim-model"
+    # Without --api-key, as before: open.
+    open_sim = start_sim()
+    open_sim.wait_ready()
+    assert httpx.get(f"{open_sim.url}/v1/models", timeout=5).status_code == 200
 
 
 def test_usage_errors_exit_2(start_sim: StartSim) -> None:

@@ -8,8 +8,9 @@ import pytest
 import trio
 import trio.testing
 
+from agent.engines import flagsets
 from agent.engines.sim import generate
-from agent.engines.sim.config import SimUsageError, parse_command_line
+from agent.engines.sim.config import EngineUsageError, SimUsageError, parse_command_line
 
 
 def test_vllm_command_line_is_understood() -> None:
@@ -44,10 +45,70 @@ def test_unknown_vllm_flags_are_kept_for_the_note() -> None:
     assert c.ignored == ("--enable-prefix-caching", "--max-num-seqs", "64")
 
 
-def test_model_flag_wins_over_a_stray_positional() -> None:
+def test_model_flag_and_positional() -> None:
     c = parse_command_line(["--model", "m", "--max-num-seqs", "64"], {})
     assert c.model == "m"
-    assert "64" in c.ignored
+    assert c.ignored == ("--max-num-seqs", "64")
+    # vLLM's serve takes the positional over --model.
+    assert parse_command_line(["serve", "p", "--model", "m"], {}).model == "p"
+
+
+def test_only_the_imitated_vllm_flags_are_accepted() -> None:
+    """Strict like vLLM: no flag outside its flag file, no abbreviation, no underscore spelling,
+    argparse's words, exit status 2; the version imitated is the newest file or the one asked."""
+    newest = flagsets.available("vllm")[-1]
+    assert parse_command_line(["m"], {}).vllm_version == newest
+    assert parse_command_line(["m"], {"LLMGW_SIM_VLLM_VERSION": "0.18.2"}).vllm_version == "0.18.0"
+    for argv, message in [
+        (["serve", "m", "--bogus"], "vllm serve: error: unrecognized arguments: --bogus"),
+        (["m", "--max-model"], "vllm serve: error: unrecognized arguments: --max-model"),
+        (["m", "--max_num_seqs", "4"], "vllm serve: error: unrecognized arguments: --max_num_seqs 4"),
+        (
+            ["m", "--dtype", "fp4"],
+            "vllm serve: error: argument --dtype: invalid choice: 'fp4' (choose from 'auto', ",
+        ),
+        (["m", "-q", "gguf"], "vllm serve: error: argument --quantization/-q: invalid choice: 'gguf'"),
+        (["m", "--port"], "vllm serve: error: argument --port: expected one argument"),
+    ]:
+        with pytest.raises(EngineUsageError) as caught:
+            parse_command_line(argv, {"LLMGW_SIM_VLLM_VERSION": "0.33.0"})
+        assert str(caught.value).startswith(message), (argv, str(caught.value))
+        assert caught.value.exit_code == 2 and caught.value.usage == "usage: vllm serve [model_tag] [options]"
+    # 0.18.0 still had gguf.
+    assert (
+        parse_command_line(["m", "-q", "gguf"], {"LLMGW_SIM_VLLM_VERSION": "0.18.0"}).quantization == "gguf"
+    )
+
+
+def test_deprecated_quantization_needs_its_flag_and_exits_1() -> None:
+    env = {"LLMGW_SIM_VLLM_VERSION": "0.18.0"}
+    with pytest.raises(EngineUsageError) as caught:
+        parse_command_line(["m", "-q", "fbgemm_fp8"], env)
+    assert caught.value.exit_code == 1
+    assert str(caught.value) == (
+        "ValueError: vLLM 0.18.0: --quantization fbgemm_fp8 is deprecated and needs --allow-deprecated-quantization"
+    )
+    c = parse_command_line(["m", "-q", "fbgemm_fp8", "--allow-deprecated-quantization"], env)
+    assert c.quantization == "fbgemm_fp8"
+    with pytest.raises(EngineUsageError):
+        parse_command_line(
+            [
+                "m",
+                "-q",
+                "fbgemm_fp8",
+                "--allow-deprecated-quantization",
+                "--no-allow-deprecated-quantization",
+            ],
+            env,
+        )
+
+
+def test_api_keys_from_the_flag_or_vllms_variable() -> None:
+    assert parse_command_line(["m", "--api-key", "a", "b"], {}).api_keys == ("a", "b")
+    assert parse_command_line(["m"], {"VLLM_API_KEY": "v"}).api_keys == ("v",)
+    assert parse_command_line(["m", "--api-key", "a"], {"VLLM_API_KEY": "v"}).api_keys == ("a",)
+    assert parse_command_line(["m"], {}).api_keys == ()
+    assert parse_command_line(["m", "--max-model-len", "32k"], {}).max_model_len == 32000
 
 
 def test_no_model_is_a_usage_error() -> None:

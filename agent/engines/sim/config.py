@@ -1,9 +1,13 @@
 """The simulator's configuration: vLLM's command line, plus the simulator's own knobs.
 
-The simulator accepts the argv the vLLM adapter builds (``serve MODEL --served-model-name ...``),
-so pointing a vLLM profile's binary at ``python -m agent.engines.sim`` exercises the real launch
-path end to end. vLLM flags it does not simulate are accepted and named on stderr, never fatal:
-a profile's ``extra_args`` must not stop a demo.
+The simulator parses its command line as strictly as the vLLM version it imitates: the parser is
+built from that version's flag file (``agent/engines/flags/vllm-*.json``, taken from vLLM's own
+parser; the newest, or ``LLMGW_SIM_VLLM_VERSION``), and nothing else is accepted. An unknown flag,
+a bad value or a bad choice exits 2 with vLLM's argparse message (``vllm serve: error:
+unrecognized arguments: --bogus``); a deprecated quantization without
+``--allow-deprecated-quantization`` exits 1, as vLLM's config check does. So the demo and every
+fleet test run the real adapter's argv against a real flag set: a test double that accepted
+anything would prove nothing. vLLM options it does not simulate are accepted and named on stderr.
 
 Knobs come from ``--sim-*`` flags, else ``LLMGW_SIM_*`` environment variables, else defaults; see
 the package docstring for the list.
@@ -12,10 +16,14 @@ the package docstring for the list.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from collections.abc import Mapping, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import attrs
+
+from agent.engines import flagsets
 
 #: What LLMGW_SIM_HANG / --sim-hang may name.
 HANG_POINTS = ("loading", "requests", "sigterm")
@@ -58,11 +66,27 @@ class SimConfig:
     default_max_tokens: int = 16
     #: vLLM arguments accepted but not simulated, for the note on stderr.
     ignored: tuple[str, ...] = ()
+    #: vLLM's --api-key (or VLLM_API_KEY): /v1/* needs ``Authorization: Bearer`` one of them.
+    api_keys: tuple[str, ...] = ()
+    #: The vLLM version whose command line the simulator parsed (its flag file).
+    vllm_version: str = ""
 
     @property
     def served_model_name(self) -> str:
         """The name responses carry (vLLM reports the first of several)."""
         return self.served_model_names[0]
+
+
+class EngineUsageError(SimUsageError):
+    """A command line vLLM itself would refuse, worded as vLLM (argparse) words it.
+
+    ``exit_code`` is vLLM's: 2 for argparse's refusals (an unknown flag, a bad value or choice),
+    1 for what vLLM refuses later while building its config (a deprecated quantization)."""
+
+    def __init__(self, message: str, *, usage: str = "", exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.usage = usage
+        self.exit_code = exit_code
 
 
 class _ParseError(Exception):
@@ -76,39 +100,126 @@ class _QuietParser(argparse.ArgumentParser):
         raise _ParseError(message)
 
 
-def _parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False: an unknown vLLM flag must never be taken for an abbreviation of ours.
-    p = _QuietParser(
-        prog="python -m agent.engines.sim",
-        description="llmgw engine simulator: an OpenAI-compatible server on vLLM's command line.",
-        allow_abbrev=False,
-    )
-    p.add_argument("model_tag", nargs="?", help="the model (vLLM's positional MODEL)")
-    p.add_argument("--model")
-    p.add_argument("--served-model-name", nargs="+")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int)
-    p.add_argument("--dtype")
-    p.add_argument("--quantization", "-q")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--gpu-memory-utilization", type=float)
-    p.add_argument("--nnodes", "-n", type=int)
-    p.add_argument("--node-rank", "-r", type=int)
-    p.add_argument("--master-addr")
-    p.add_argument("--master-port", type=int)
-    p.add_argument("--headless", action="store_true")
-    p.add_argument("--shutdown-timeout", type=float)
-    p.add_argument("--sim-load-seconds", type=float)
-    p.add_argument("--sim-ttft-ms", type=float)
-    p.add_argument("--sim-itl-ms", type=float)
-    p.add_argument("--sim-fail-loading")
-    p.add_argument("--sim-exit-after", type=float)
-    p.add_argument("--sim-exit-code", type=int)
-    p.add_argument("--sim-hang")
-    p.add_argument("--sim-max-tokens", type=int)
+#: vLLM's usage line for ``vllm serve`` (printed above an argparse error, as vLLM does).
+USAGE = "vllm serve [model_tag] [options]"
+
+#: Destinations of the vLLM options the simulator acts on; any other vLLM option is accepted
+#: (it is in the imitated version's flag file) and named on stderr as not simulated.
+SIMULATED = frozenset(
+    {
+        "model_tag",
+        "model",
+        "served_model_name",
+        "host",
+        "port",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "dtype",
+        "quantization",
+        "allow_deprecated_quantization",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "headless",
+        "shutdown_timeout",
+        "api_key",
+    }
+)
+
+#: The simulator's own knobs, beside vLLM's options: (flag, type).
+_KNOBS: tuple[tuple[str, type], ...] = (
+    ("--sim-load-seconds", float),
+    ("--sim-ttft-ms", float),
+    ("--sim-itl-ms", float),
+    ("--sim-fail-loading", str),
+    ("--sim-exit-after", float),
+    ("--sim-exit-code", int),
+    ("--sim-hang", str),
+    ("--sim-max-tokens", int),
+)
+
+
+def imitated(environ: Mapping[str, str]) -> flagsets.FlagSet:
+    """The vLLM flag set the simulator imitates: ``LLMGW_SIM_VLLM_VERSION`` (the newest file not
+    newer than it), else the newest vLLM file there is."""
+    wanted = environ.get("LLMGW_SIM_VLLM_VERSION", "").strip()
+    return flagsets.for_version("vllm", wanted or flagsets.available("vllm")[-1])
+
+
+def _json_value(value: str) -> str:
+    json.loads(value)
+    return value
+
+
+_json_value.__name__ = "json"
+_CONVERTERS: Mapping[str, Any] = {"int": int, "float": float, "json": _json_value, "str": str}
+
+
+def _parser(fs: flagsets.FlagSet) -> argparse.ArgumentParser:
+    """vLLM's ``serve`` parser as the flag file records it, plus the ``--sim-*`` knobs.
+
+    allow_abbrev=False: a prefix of a vLLM flag is not that flag here (stricter than argparse's
+    default, never looser than vLLM)."""
+    p = _QuietParser(prog=fs.program, usage=USAGE, allow_abbrev=False, add_help=False)
+    for positional in fs.positionals:
+        p.add_argument(positional.name, nargs=positional.nargs)
+    for option in fs.options:
+        if option.dest == "help":
+            p.add_argument(*option.flags, action="help")
+        elif not option.takes_value:
+            positive = [f for f in option.flags if not f.startswith("--no-")]
+            if len(positive) < len(option.flags):
+                p.add_argument(*positive, dest=option.dest, action=argparse.BooleanOptionalAction)
+            else:
+                p.add_argument(*option.flags, dest=option.dest, action="store_true")
+        else:
+            p.add_argument(
+                *option.flags,
+                dest=option.dest,
+                type=_CONVERTERS.get(option.type, str),
+                nargs=option.nargs,
+                choices=option.choices,
+            )
+    for flag, kind in _KNOBS:
+        p.add_argument(flag, type=kind)
     return p
+
+
+def _not_simulated(fs: flagsets.FlagSet, args: Sequence[str]) -> tuple[str, ...]:
+    """The vLLM options in args (with their values) that the simulator does not act on."""
+    out: list[str] = []
+    taking = False
+    for token in args:
+        if token.startswith("-") and not token.lstrip("-").replace(".", "").isdigit():
+            option = fs.option(token.partition("=")[0])
+            taking = option is not None and option.dest not in SIMULATED
+            if taking:
+                out.append(token)
+            taking = taking and option is not None and option.takes_value and "=" not in token
+        elif taking:
+            out.append(token)
+    return tuple(out)
+
+
+def _max_model_len(raw: str | None) -> int:
+    """vLLM's human-readable --max-model-len (``4096``, ``32k``, ``1K``, ``auto``, ``-1``)."""
+    if raw is None or raw in ("auto", "-1"):
+        return 8192
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    if raw and raw[-1] in units:
+        return int(float(raw[:-1]) * units[raw[-1]])
+    return int(raw)
+
+
+def _api_keys(flag: str | list[str] | None, environ: Mapping[str, str]) -> list[str]:
+    """vLLM's keys: --api-key (one or several), else the VLLM_API_KEY variable, else none."""
+    if flag:
+        return [flag] if isinstance(flag, str) else [k for k in flag if k]
+    key = environ.get("VLLM_API_KEY", "")
+    return [key] if key else []
 
 
 def _float_knob(flag: float | None, environ: Mapping[str, str], name: str, default: float) -> float:
@@ -165,16 +276,25 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
     args_list = list(argv)
     if args_list and args_list[0] == "serve":
         args_list = args_list[1:]
+    fs = imitated(environ)
     try:
-        ns, unknown = _parser().parse_known_args(args_list)
+        ns = _parser(fs).parse_args(args_list)
     except _ParseError as exc:
-        raise SimUsageError(str(exc)) from None
+        raise EngineUsageError(f"{fs.program}: error: {exc}", usage=f"usage: {USAGE}") from None
+    for option in fs.options:
+        value = getattr(ns, option.dest, None)
+        message = option.deprecated_choices.get(value) if isinstance(value, str) else None
+        if message is None:
+            continue
+        enabling = [fs.option(flag) for flag in re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", message)]
+        if not any(o is not None and getattr(ns, o.dest, None) for o in enabling):
+            # vLLM refuses this while building its config, after argparse: exit 1, not 2.
+            raise EngineUsageError(
+                f"ValueError: {fs.label}: {option.flags[0]} {value} {message}", exit_code=1
+            )
 
-    # vLLM gives the positional precedence; when an ignored flag's value landed there instead
-    # (``--model X --some-flag 3``), --model is the one the caller meant.
-    model = ns.model or ns.model_tag
-    if ns.model and ns.model_tag and ns.model_tag != ns.model:
-        unknown.append(ns.model_tag)
+    # vLLM's serve takes the positional over --model when both are given.
+    model = ns.model_tag or ns.model
     if not model:
         raise SimUsageError("no model given: pass `serve MODEL` or --model MODEL")
     names = tuple(ns.served_model_name or (model,))
@@ -194,14 +314,16 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
         pipeline_parallel_size=ns.pipeline_parallel_size or 1,
         dtype=ns.dtype or "auto",
         quantization=ns.quantization or "",
-        max_model_len=ns.max_model_len or 8192,
+        max_model_len=_max_model_len(ns.max_model_len),
         gpu_memory_utilization=ns.gpu_memory_utilization or 0.9,
         nnodes=ns.nnodes or 1,
         node_rank=ns.node_rank or 0,
         master_addr=ns.master_addr or "127.0.0.1",
         master_port=ns.master_port or 29501,
         headless=bool(ns.headless),
-        shutdown_timeout=ns.shutdown_timeout or 0.0,
+        shutdown_timeout=float(ns.shutdown_timeout or 0),
+        api_keys=tuple(_api_keys(ns.api_key, environ)),
+        vllm_version=fs.version,
         load_seconds=_float_knob(ns.sim_load_seconds, environ, "LLMGW_SIM_LOAD_SECONDS", 1.0),
         ttft_ms=_float_knob(ns.sim_ttft_ms, environ, "LLMGW_SIM_TTFT_MS", 50.0),
         itl_ms=_float_knob(ns.sim_itl_ms, environ, "LLMGW_SIM_ITL_MS", 10.0),
@@ -210,7 +332,7 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
         exit_code=_int_knob(ns.sim_exit_code, environ, "LLMGW_SIM_EXIT_CODE", 1),
         hang=_hang_points(hang_raw, hang_source),
         default_max_tokens=_int_knob(ns.sim_max_tokens, environ, "LLMGW_SIM_MAX_TOKENS", 16),
-        ignored=tuple(unknown),
+        ignored=_not_simulated(fs, args_list),
     )
     for field, value in (
         ("load seconds", config.load_seconds),

@@ -19,13 +19,14 @@ requests finish for up to ``--shutdown-timeout`` seconds (vLLM's semantics: 0 ab
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import attrs
@@ -325,7 +326,7 @@ class SimServer:
         start = time.monotonic()
         line = f'{client} "{method} {path} HTTP/{head.http_version.decode()}"'
         try:
-            status = await self._route(conn, stream, method, path, body)
+            status = await self._route(conn, stream, method, path, body, head.headers)
         except ClientGone:
             elapsed = (time.monotonic() - start) * 1000
             self.log(f"{line} 499 client closed the connection {elapsed:.0f}ms")
@@ -333,9 +334,27 @@ class SimServer:
         elapsed = (time.monotonic() - start) * 1000
         self.log(f"{line} {status} {elapsed:.0f}ms")
 
+    def _authorized(self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        """vLLM's --api-key rule: every /v1 path needs ``Authorization: Bearer <key>`` for one of
+        its keys (OPTIONS, a CORS preflight, excepted); /health and /metrics stay open."""
+        if not self.config.api_keys or not path.startswith("/v1") or method == "OPTIONS":
+            return True
+        given = [value for name, value in headers if name == b"authorization"]
+        expected = {f"Bearer {key}".encode() for key in self.config.api_keys}
+        return len(given) == 1 and any(hmac.compare_digest(given[0], e) for e in expected)
+
     async def _route(
-        self, conn: h11.Connection, stream: trio.SocketStream, method: str, path: str, body: bytes
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> int:
+        if not self._authorized(method, path, headers):
+            await self._send_json(conn, stream, 401, {"error": "Unauthorized"})
+            return 401
         routes = {
             "/health": ("GET",),
             "/v1/models": ("GET",),
@@ -531,6 +550,10 @@ class _Watcher:
 async def run(config: SimConfig, out: TextIO = sys.stdout) -> int:
     """The whole simulator process, as a trio main: returns the exit code."""
     log = Log(out)
+    log(
+        f"command line parsed as vLLM {config.vllm_version} parses it"
+        + ("; /v1 requires the API key" if config.api_keys else "")
+    )
     if config.ignored:
         print(
             "sim: ignoring vLLM arguments it does not simulate: " + " ".join(config.ignored),
