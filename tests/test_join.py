@@ -102,7 +102,7 @@ def test_a_forged_register_with_the_join_token_cannot_take_over_a_joined_node(tm
         forger.start()
         poll(
             "the forger's refusal",
-            lambda: "already joined with a credential of its own" in forger.log.read_text(),  # type: ignore[union-attr]
+            lambda: "already joined with a credential of its own" in forger.log.read_text(),
         )
         assert "ctl node reset gpu01" in forger.log.read_text()
         cp_log = fleet.cp.log.read_text()
@@ -119,7 +119,7 @@ def test_a_forged_register_with_the_join_token_cannot_take_over_a_joined_node(tm
         poll(
             "the forger let in after the reset",
             lambda: "joined the cluster as gpu01" in forger.log.read_text(),
-        )  # type: ignore[union-attr]
+        )
         poll(
             "gpu01 now from the other process",
             lambda: fleet.cp.api("/api/nodes")[0]["mgmt_addr"] == "127.0.0.9",
