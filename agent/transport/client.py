@@ -9,6 +9,11 @@ scheme picks the carrier:
 - ``ws://`` and ``wss://``: the same envelopes in binary WebSocket messages, for networks whose proxies
   speak only HTTP/1.1.
 
+Over HTTP/2 nothing but the connection preface and our SETTINGS leaves before the server's SETTINGS
+arrive (and, with TLS, before a verified handshake): a peer that has not spoken HTTP/2 gets neither
+the node's metadata nor its Register. What answered instead names the likely mistake in the error
+(the router or admin port, TLS spoken to a plaintext port or the other way round).
+
 Whatever carries it, the caller gets an :class:`AgentStream`: ``send`` an ``AgentMessage``, ``receive``
 ``ControlMessage`` values until ``None`` (the server ended the stream with OK). Every failure is a typed
 exception: :class:`schema.rpc.RpcError` for a status the server sent, :class:`schema.h2io.TransportError`

@@ -96,7 +96,8 @@ class ServerLimits:
     #: Seconds between server PINGs on a connection, and how long an answer may take.
     keepalive_interval: float = 30.0
     keepalive_timeout: float = 10.0
-    #: A TLS handshake or a connection preface must complete within this many seconds.
+    #: A TLS handshake or a connection preface must complete within this many seconds, and an
+    #: HTTP/2 connection must open its first stream within as many again.
     handshake_timeout: float = 10.0
     #: A message begun must be finished within this many seconds of its last byte.
     stall_timeout: float = 30.0
