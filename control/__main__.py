@@ -43,6 +43,7 @@ import trio
 
 from control.config import ConfigError, ControlConfig, Listen, line_of, parse, read
 from control.plane import ControlPlane
+from control.transport import ServerTLS
 
 log = logging.getLogger("llmgw.control")
 
@@ -516,8 +517,39 @@ def startup_problems(config: ControlConfig, text: str, source: str) -> list[str]
     if config.runs_control_plane:
         problems.append(_state_dir_problem(config, text, source))
         listeners = [("agents", config.listen.agents), ("api", config.listen.api), *listeners]
+        problems.append(_api_tls_problem(config, text, source))
     problems += [_listen_problem(key, address, text, source) for key, address in listeners if address]
     return [p for p in problems if p]
+
+
+def _api_tls_problem(config: ControlConfig, text: str, source: str) -> str:
+    """Why ``[api.tls]``'s certificate, key or client CA cannot be loaded; "" when they can (or
+    there is no ``[api.tls]``). Found before serving, as one line, rather than as a traceback from
+    inside the admin API's start."""
+    tls = config.api.tls
+    if tls is None:
+        return ""
+    for key, path in (("cert", tls.cert), ("key", tls.key), ("client_ca", tls.client_ca)):
+        if path is None:
+            continue
+        try:
+            path.open("rb").close()
+        except OSError as exc:
+            return (
+                f"api.tls.{key}: cannot read {path}: {exc.strerror or exc} "
+                f"({_where(text, source, ('api', 'tls', key), False)})"
+            )
+    try:
+        ServerTLS(tls.cert, tls.key, tls.client_ca, tls.require_client_cert).context()
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        named = f" {exc.filename}" if isinstance(exc, OSError) and exc.filename else ""
+        return (
+            f"api.tls: cannot load the admin API's certificate, key or client CA{named}: {reason} "
+            f"({_where(text, source, ('api', 'tls'), False)}); check cert, key and client_ca"
+        )
+    return ""
+
 
 
 def _bind_errors(exc: BaseException) -> list[OSError]:

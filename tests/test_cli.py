@@ -253,3 +253,20 @@ def test_ctl_sends_the_token_from_the_environment_or_a_file(tmp_path: Path) -> N
         assert from_file.returncode == 0, from_file.stderr
     finally:
         cp.terminate()
+
+
+def test_an_admin_api_certificate_that_cannot_be_loaded_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "llmgw.toml"
+    tls = f'[api.tls]\ncert = "{tmp_path / "nosuch.pem"}"\nkey = "{tmp_path / "nosuch.key"}"\n'
+    config.write_text(config_text(tmp_path / "state") + tls + MODEL)
+    line = one_line(start_control(config))
+    assert line == (
+        f"llmgw-control: api.tls.cert: cannot read {tmp_path / 'nosuch.pem'}: No such file or directory "
+        f"({config} line 7)"
+    )
+    # Files that are there but are no certificate: the whole [api.tls] table is named.
+    (tmp_path / "nosuch.pem").write_text("not a certificate\n")
+    (tmp_path / "nosuch.key").write_text("not a key\n")
+    line = one_line(start_control(config))
+    assert line.startswith("llmgw-control: api.tls: cannot load the admin API's certificate"), line
+    assert f"({config} line 6)" in line, line
