@@ -551,7 +551,6 @@ def _api_tls_problem(config: ControlConfig, text: str, source: str) -> str:
     return ""
 
 
-
 def _bind_errors(exc: BaseException) -> list[OSError]:
     """The bind failures an error from the running server consists of, or [] when it is anything
     else (which then keeps its traceback)."""
