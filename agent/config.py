@@ -31,6 +31,7 @@ from cattrs.v import format_exception
 
 from agent.discovery.model import FabricAttachment
 from agent.engines import ENGINES
+from schema.ids import NODE_ID, NODE_ID_RULE
 
 ENV_PREFIX = "LLMGW_AGENT_"
 DEFAULT_CONFIG = Path("/etc/llmgw/agent.toml")
@@ -231,6 +232,9 @@ class AgentConfig:
     def __attrs_post_init__(self) -> None:
         if not self.node_id.strip():
             raise ValueError("node_id must not be empty")
+        if NODE_ID.fullmatch(self.node_id) is None:
+            # The control plane refuses such a Register; say so at start, not at every reconnect.
+            raise ValueError(f"node_id {self.node_id[:64]!r} is not valid: it must be {NODE_ID_RULE}")
         if self.reconnect_base > self.reconnect_max:
             raise ValueError(
                 f"reconnect_base ({self.reconnect_base}) must not exceed reconnect_max ({self.reconnect_max})"

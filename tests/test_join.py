@@ -151,3 +151,13 @@ def test_without_the_token_refused_and_insecure_true_is_explicit_and_loud(tmp_pa
         assert result.stdout.startswith("WARNING: insecure = true") and " insecure " in result.stdout
     finally:
         open_fleet.stop()
+
+
+def test_an_agent_stops_at_start_on_a_node_id_the_control_plane_would_refuse(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "agent", "--state-dir", str(tmp_path), "--server", "http://127.0.0.1:9"]
+    result = subprocess.run([*argv, "--node-id", "gpu07\x1b[2J"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result
+    assert "node_id 'gpu07\\x1b[2J' is not valid" in result.stderr and "\x1b" not in result.stderr
