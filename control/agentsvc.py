@@ -394,6 +394,9 @@ class AgentService:
                 return  # replaced: nothing this stream sends is believed any more
             now = self.clock()
             if msg.heartbeat is not None:
+                problem = _count_problem("Heartbeat.gpus", len(msg.heartbeat.gpus), MAX_GPUS)
+                if problem:
+                    raise RpcError(Code.INVALID_ARGUMENT, f"{node_id}: {problem}")
                 self.on_transitions(self.fleet.heartbeat(node_id, msg.heartbeat, now))
             elif msg.shard is not None:
                 problem = shard_status_problem(msg.shard, "ShardStatus")

@@ -142,3 +142,29 @@ def test_a_node_id_with_a_newline_and_an_escape_is_refused_and_logged_escaped(cp
     log = cp.log.read_text()
     assert "\x1b" not in log and "\nall good" not in log and "all good" in log
     assert "INFO llmgw.control: \x1b" not in log
+
+
+def test_a_heartbeat_over_the_gpu_limit_ends_the_stream(cp: ControlProcess) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{cp.agent_port}")
+    call = channel.stream_stream(
+        schema.CONNECT_PATH, request_serializer=bytes, response_deserializer=schema.ControlMessage.parse
+    )
+    usage = [schema.GpuUsage(index=i, memory_used_mib=1) for i in range(30_000)]
+
+    def requests() -> Iterator[schema.AgentMessage]:
+        yield schema.AgentMessage(
+            message_id=1, register=schema.Register(node_id="n1", hostname="h", token=cp.join_token())
+        )
+        yield schema.AgentMessage(message_id=2, heartbeat=schema.Heartbeat(node_id="n1", gpus=usage))
+
+    replies: list[schema.ControlMessage] = []
+    try:
+        with pytest.raises(grpc.RpcError) as ended:
+            for reply in call(requests(), timeout=30):
+                replies.append(reply)
+    finally:
+        channel.close()
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Heartbeat.gpus has 30000 entries; at most 64" in (ended.value.details() or "")
+    # It joined (the join token, a credential issued), and then the heartbeat was not believed.
+    assert replies[0].ack is not None and replies[0].ack.ok and replies[0].ack.node_credential
