@@ -6,13 +6,20 @@ vLLM takes. Pointing a vLLM profile's binary at it (``LaunchContext(argv_prefix=
 "-m", "agent.engines.sim"))``) runs the vLLM adapter's real argv end to end; the ``sim`` engine in
 a profile does the same with the rules relaxed for nodes without GPUs.
 
-Command line: ``[serve] MODEL`` or ``--model MODEL``, ``--served-model-name NAME [NAME...]``,
-``--host``, ``--port``, ``--tensor-parallel-size``/``-tp``, ``--pipeline-parallel-size``/``-pp``,
-``--dtype``, ``--quantization``/``-q``, ``--max-model-len`` (default 8192),
-``--gpu-memory-utilization``, ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``,
-``--headless`` (a worker rank: no HTTP server, like vLLM's), ``--shutdown-timeout`` (drain
-window on SIGTERM, vLLM's semantics: 0 aborts in-flight requests). Any other vLLM flag is accepted
-and named on stderr.
+Command line: exactly the vLLM version's it imitates (``vllm serve``'s parser rebuilt from
+``agent/engines/flags/vllm-<version>.json``, which ``nox -s flags`` takes from vLLM's own code): the
+newest flag file by default, ``LLMGW_SIM_VLLM_VERSION`` to choose (the newest file not newer than
+it); ``--version`` prints it, as ``vllm --version`` does. An unknown flag, a bad value or choice
+exits 2 with vLLM's argparse usage line and message (``vllm serve: error: unrecognized arguments:
+--bogus``); a deprecated quantization without ``--allow-deprecated-quantization`` exits 1. It acts
+on ``[serve] MODEL`` or ``--model MODEL``, ``--served-model-name NAME [NAME...]``, ``--host``,
+``--port``, ``--tensor-parallel-size``/``-tp``, ``--pipeline-parallel-size``/``-pp``, ``--dtype``,
+``--quantization``/``-q``, ``--max-model-len`` (default 8192), ``--gpu-memory-utilization``,
+``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``, ``--headless`` (a worker rank: no
+HTTP server, like vLLM's), ``--shutdown-timeout`` (drain window on SIGTERM, vLLM's semantics: 0
+aborts in-flight requests) and ``--api-key KEY [KEY...]`` (or ``VLLM_API_KEY``: every ``/v1`` path
+needs ``Authorization: Bearer KEY``, else 401 ``{"error": "Unauthorized"}``; ``/health`` and
+``/metrics`` stay open, as in vLLM). Other vLLM options are accepted and named on stderr.
 
 Knobs, as ``--sim-*`` flags or ``LLMGW_SIM_*`` variables (a flag wins):
 
