@@ -33,7 +33,9 @@ State = schema.ShardState
 SIM = (sys.executable, "-m", "agent.engines.sim")
 
 
-def sim_spec(shard_id: str, port: int, *, served: str = "tiny", **profile: object) -> schema.StartShard:
+def sim_spec(
+    shard_id: str, port: int, *, served: str = "tiny", api_key: str = "", **profile: object
+) -> schema.StartShard:
     env = {"LLMGW_SIM_LOAD_SECONDS": "0.2", "LLMGW_SIM_TTFT_MS": "1", "LLMGW_SIM_ITL_MS": "1"}
     fields: dict[str, object] = {
         "engine": "sim",
@@ -48,6 +50,7 @@ def sim_spec(shard_id: str, port: int, *, served: str = "tiny", **profile: objec
         profile=schema.EngineProfile(**fields),  # type: ignore[arg-type]
         http_port=port,
         ready_timeout_seconds=30,
+        api_key=api_key,
     )
 
 
@@ -431,3 +434,41 @@ def test_marker_spec_round_trips() -> None:
     env = procfs.marker_env("m-s0", "/owner", spec)
     assert env[procfs.MARK_SHARD] == "m-s0" and env[procfs.MARK_OWNER] == "/owner"
     assert schema.StartShard.parse(base64.b64decode(env[procfs.MARK_SPEC])) == spec
+
+
+# ---------------------------------------------------------------------------------------------
+# The shard's key
+
+
+async def test_probes_carry_the_shards_key_and_an_adopted_engine_is_probed_with_it(tmp_path: Path) -> None:
+    """The engine answers 401 on /v1 without its key, so READY (which reads /v1/models) proves the
+    readiness probe sent it; a second supervisor on the same state directory (an agent restart)
+    adopts the engine READY at once, with the key from the record. What leaves the node
+    (ShardStatus) has no key."""
+    port = free_port()
+    first = make_supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        try:
+            shard = await first.start(sim_spec("key-s0", port, api_key="shard-secret-0123"))
+            await wait_state(first, "key-s0", State.READY)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+                assert (await client.get("/v1/models")).status_code == 401
+                headers = {"Authorization": "Bearer shard-secret-0123"}
+                assert (await client.get("/v1/models", headers=headers)).status_code == 200
+            [status] = first.statuses()
+            assert status.spec is not None and status.spec.api_key == "" and status.spec.http_port == port
+            assert shard.spec.api_key == "shard-secret-0123"
+            nursery.cancel_scope.cancel()  # the agent stops; the engine keeps serving
+        except BaseException:
+            end_engines(first)
+            raise
+    second = make_supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(second.run)
+        try:
+            adopted = second.shards["key-s0"]
+            assert adopted.adopted and adopted.state is State.READY and adopted.pid == shard.pid
+        finally:
+            end_engines(second)
+            nursery.cancel_scope.cancel()
