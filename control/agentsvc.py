@@ -270,7 +270,11 @@ class AgentService:
         async with joins.lock:
             if joins.bound(node_id):
                 if joins.is_credential_of(node_id, reg.node_credential):
+                    joins.confirm(node_id)  # presenting it shows it was kept
                     return Admission(method="credential")
+                if joins.may_join_again(node_id) and joins.is_join_token(reg.token):
+                    # Issued a moment ago and never shown to be kept (the Ack may have been lost).
+                    return Admission(method="join token", issued=await joins.issue(node_id))
                 if self.insecure:
                     return Admission(method="insecure")
                 return Admission(
@@ -369,7 +373,7 @@ class AgentService:
                         break  # the rest stay pending for the next connection
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._send_loop, stream, receive)
-                    await self._receive_loop(current)
+                    await self._receive_loop(current, admission.issued)
                     nursery.cancel_scope.cancel()
         finally:
             if self.streams.get(node_id) is current:
@@ -387,11 +391,15 @@ class AgentService:
         async for message in outbox:
             await stream.send(message)
 
-    async def _receive_loop(self, current: NodeStream) -> None:
+    async def _receive_loop(self, current: NodeStream, issued: str = "") -> None:
         node_id = current.node_id
         async for msg in current.stream:
             if self.streams.get(node_id) is not current:
                 return  # replaced: nothing this stream sends is believed any more
+            if issued and self.joins is not None:
+                # The agent sends nothing after the Register's Ack until it has kept its credential.
+                self.joins.confirm(node_id)
+                issued = ""
             now = self.clock()
             if msg.heartbeat is not None:
                 problem = _count_problem("Heartbeat.gpus", len(msg.heartbeat.gpus), MAX_GPUS)

@@ -79,6 +79,10 @@ class JoinBook:
         self._bindings = bindings
         #: Whether this start created the join token (a first start).
         self.created = created
+        #: Nodes issued a credential that their agent has not yet shown it kept (it has sent nothing
+        #: after the Ack that carried it). Until then the join token may join the node again and be
+        #: issued a new one: an Ack lost with its connection must not lock a new node out.
+        self._unconfirmed: set[str] = set()
         # One join decision at a time: two first Registers for the same node id racing each other
         # must not both be issued a credential (the second would silently unbind the first).
         self.lock = trio.Lock()
@@ -129,6 +133,15 @@ class JoinBook:
     def bound(self, node_id: str) -> bool:
         return node_id in self._bindings
 
+    def may_join_again(self, node_id: str) -> bool:
+        """True while ``node_id``'s credential is unconfirmed (see ``confirm``)."""
+        return node_id in self._unconfirmed
+
+    def confirm(self, node_id: str) -> None:
+        """The agent sent something after the Ack with its credential, which it sends only once it
+        has kept the credential: from now on only the credential speaks for the node."""
+        self._unconfirmed.discard(node_id)
+
     def is_credential_of(self, node_id: str, credential: str) -> bool:
         expected = self._bindings.get(node_id)
         return expected is not None and bool(credential) and same_secret(_digest(credential), expected)
@@ -145,6 +158,7 @@ class JoinBook:
         bindings = {**self._bindings, node_id: _digest(credential)}
         await trio.to_thread.run_sync(self._save, bindings)
         self._bindings = bindings
+        self._unconfirmed.add(node_id)
         return credential
 
     async def reset(self, node_id: str) -> bool:
@@ -155,6 +169,7 @@ class JoinBook:
             bindings = {k: v for k, v in self._bindings.items() if k != node_id}
             await trio.to_thread.run_sync(self._save, bindings)
             self._bindings = bindings
+            self._unconfirmed.discard(node_id)
             return True
 
     def _save(self, bindings: dict[str, str]) -> None:

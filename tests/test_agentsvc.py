@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 
@@ -189,3 +190,62 @@ async def test_shard_ids_are_checked_in_register_and_shard_status(nursery: trio.
             await stream.send(schema.AgentMessage(message_id=2, shard=status))
         await poll_until("the valid status", lambda: "ok-r0-s0" in fleet.nodes["n1"].shards)
         assert list(fleet.nodes["n1"].shards) == ["ok-r0-s0"]
+
+
+async def _join(url: str, token: str = "", node_credential: str = "") -> schema.Ack:
+    """One Register for n1; the control plane's Ack (the stream is left without another message)."""
+    async with open_stream(url) as stream:
+        await stream.send(
+            schema.AgentMessage(
+                message_id=1,
+                register=schema.Register(node_id="n1", token=token, node_credential=node_credential),
+            )
+        )
+        reply = await stream.receive()
+        assert reply is not None and reply.ack is not None
+        return reply.ack
+
+
+async def test_a_credential_not_shown_kept_may_be_issued_again_then_only_it_speaks(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """An Ack carrying a new credential can be lost with its connection: until the agent sends
+    anything after it (it does only once it kept the credential), the join token may join the node
+    again. After that, the join token alone is refused, and ``reset`` undoes the binding."""
+    from control.joins import JoinBook
+
+    book = await trio.to_thread.run_sync(JoinBook.load, tmp_path)
+    token = book.join_token()
+    fleet = Fleet(15, 300)
+    svc = AgentService(fleet, joins=book)
+    port = await nursery.start(StreamServer(svc.handle).serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+
+    lost = await _join(url, token=token)
+    assert lost.ok and lost.node_credential  # ... and the agent never kept it
+    await poll_until("the first stream to end", lambda: not svc.connected("n1"))
+    kept = await _join(url, token=token)
+    assert kept.ok and kept.node_credential and kept.node_credential != lost.node_credential
+
+    async with open_stream(url) as stream:  # the agent, with its credential, heartbeats
+        await stream.send(
+            schema.AgentMessage(
+                message_id=1, register=schema.Register(node_id="n1", node_credential=kept.node_credential)
+            )
+        )
+        reply = await stream.receive()
+        assert reply is not None and reply.ack is not None and reply.ack.ok and not reply.ack.node_credential
+        await stream.send(schema.AgentMessage(message_id=2, heartbeat=schema.Heartbeat(node_id="n1")))
+        await poll_until("the credential confirmed", lambda: not book.may_join_again("n1"))
+        forged = await _join(url, token=token)  # another process, with the join token only
+        assert not forged.ok and "already joined with a credential of its own" in forged.error
+        assert svc.connected("n1") and svc.admitted_by["n1"] == "credential"
+        stale = await _join(url, node_credential=lost.node_credential)
+        assert not stale.ok and "presents another" in stale.error
+
+    assert await book.reset("n1")
+    again = await _join(url, token=token)
+    assert again.ok and again.node_credential
+    reloaded = await trio.to_thread.run_sync(JoinBook.load, tmp_path)
+    assert reloaded.is_credential_of("n1", again.node_credential)
+    assert not reloaded.is_credential_of("n1", kept.node_credential)
