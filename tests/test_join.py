@@ -161,3 +161,53 @@ def test_an_agent_stops_at_start_on_a_node_id_the_control_plane_would_refuse(tmp
     result = subprocess.run([*argv, "--node-id", "gpu07\x1b[2J"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result
     assert "node_id 'gpu07\\x1b[2J' is not valid" in result.stderr and "\x1b" not in result.stderr
+
+
+def test_mutual_tls_needs_no_token(tmp_path: Path) -> None:
+    """The strong option: the node id is bound to the client certificate, so no token is asked for;
+    a client without a certificate on the same TLS port still needs the join token."""
+    import trustme
+
+    ca = trustme.CA()
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca.cert_pem.write_to_path(pki / "ca.pem")
+    server = ca.issue_cert("127.0.0.1")
+    server.cert_chain_pems[0].write_to_path(pki / "server.pem")
+    server.private_key_pem.write_to_path(pki / "server.key")
+    node = ca.issue_cert("gpu01.nodes", common_name="gpu01")
+    node.cert_chain_pems[0].write_to_path(pki / "gpu01.pem")
+    node.private_key_pem.write_to_path(pki / "gpu01.key")
+    # require_client_cert = false: the issue's case, where a peer without a certificate got in.
+    tls = f"""[tls]
+cert = "{pki / "server.pem"}"
+key = "{pki / "server.key"}"
+client_ca = "{pki / "ca.pem"}"
+require_client_cert = false
+"""
+    layout = [*LAYOUT, ("gpu02", "h100x4.toml", "ib-a", "127.0.0.2")]
+    fleet = Fleet(tmp_path, "join5", layout, extra=tls)
+    ca_args = ("--tls-ca", str(pki / "ca.pem"), "--token", "")
+    try:
+        fleet.start(
+            scheme="https",
+            agent_extra={
+                "gpu01": (
+                    *ca_args,
+                    "--tls-cert",
+                    str(pki / "gpu01.pem"),
+                    "--tls-key",
+                    str(pki / "gpu01.key"),
+                ),
+                "gpu02": ca_args,  # no certificate, no token
+            },
+        )
+        poll(
+            "gpu01 in over mutual TLS",
+            lambda: [(n["node_id"], n["auth"]) for n in fleet.cp.api("/api/nodes")] == [("gpu01", "mtls")],
+        )
+        poll("gpu02 refused", lambda: "presents no join token" in fleet.agents["gpu02"].log.read_text())
+        assert [n["node_id"] for n in fleet.cp.api("/api/nodes")] == ["gpu01"]
+        assert not (fleet.agents["gpu01"].state_dir / "node-credential.json").exists()
+    finally:
+        fleet.stop()
