@@ -20,6 +20,8 @@ import json
 import re
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,26 @@ def test_agent_settings_and_secrets_are_left_out_of_an_engine_environment() -> N
     assert env == {"PATH": "/usr/bin", "VLLM_LOGGING_LEVEL": "INFO"}
     assert redact_argv(["vllm", "serve", "--api-key", "k3y"], "k3y") == "vllm serve --api-key ***"
     assert "k3y" not in repr(Upstream("r0", "http://127.0.0.1:1", api_key="k3y"))
+
+
+def test_a_port_holders_command_line_in_a_message_hides_its_key() -> None:
+    """ "Port in use by pid N (its command line)" goes to ``ctl``: another engine's key must not."""
+    script = (
+        "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen();"
+        " print(s.getsockname()[1], flush=True); sys.stdin.read()"
+    )
+    argv = [sys.executable, "-c", script, "--api-key", "k3y-one-0123", "--api-key=k3y-two-0123"]
+    holder = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        port = int(holder.stdout.readline())
+        said = procfs.port_in_use(port)
+        assert f"pid {holder.pid} (" in said and "k3y" not in said
+        whole = procfs.command_line(holder.pid, limit=10_000)
+        assert whole.endswith(" --api-key *** --api-key=***") and "k3y" not in whole
+    finally:
+        holder.kill()
+        holder.wait(10)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,13 +95,26 @@ def read_environ(pid: int, proc: Path = PROC) -> dict[str, str] | None:
     return env
 
 
+#: Options whose value is a secret: a command line in a message shows ``***`` in its place.
+SECRET_OPTIONS = ("--api-key",)
+
+
 def command_line(pid: int, proc: Path = PROC, limit: int = 120) -> str:
-    """The process's command line for a message, shortened to ``limit`` characters."""
+    """The process's command line for a message, shortened to ``limit`` characters, with the values
+    of ``SECRET_OPTIONS`` hidden: the message may name another shard's engine (a port in use) and
+    travel to ``ctl`` output."""
     try:
         raw = (proc / str(pid) / "cmdline").read_bytes()
     except OSError:
         return ""
-    text = " ".join(p.decode("utf-8", "replace") for p in raw.split(b"\0") if p)
+    words = [p.decode("utf-8", "replace") for p in raw.split(b"\0") if p]
+    for i, word in enumerate(words):
+        name, eq, _ = word.partition("=")
+        if name in SECRET_OPTIONS and eq:
+            words[i] = f"{name}=***"
+        elif i > 0 and words[i - 1] in SECRET_OPTIONS:
+            words[i] = "***"
+    text = " ".join(words)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
