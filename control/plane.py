@@ -705,6 +705,8 @@ class ControlPlane:
             relay_coalesce_us=self.config.router_coalesce_us,
             response_timeout=self.config.router_response_timeout,
             stream_idle_timeout=self.config.router_stream_idle_timeout,
+            client_limits=self.config.router_client_limits,
+            metrics_key=self.config.metrics_key,
         )
         if not self.config.runs_control_plane:
             # A catalog of static endpoints only: a router-only run, no agents, no reconciler.

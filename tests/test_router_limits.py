@@ -14,6 +14,7 @@ import resource
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -311,3 +312,30 @@ def test_a_cap_the_descriptor_limit_cannot_hold_is_lowered_with_one_warning(
     finally:
         for sock in held:
             sock.close()
+
+
+def test_the_control_planes_router_applies_the_configs_limits_and_metrics_key(tmp_path: Path) -> None:
+    """The keys in llmgw.toml reach the router the control plane runs (a router-only catalog here):
+    its /metrics wants the key, and a connection that sends nothing closes at the header timeout."""
+    # A catalog with a model (no node needed): the control plane's own run, with its router.
+    from tests.fleet_procs import ControlProcess, free_port
+
+    key = "k" * 32
+    cp = ControlProcess(
+        tmp_path / "cp",
+        f'state_dir = "{tmp_path / "state"}"\nmetrics_key = "{key}"\nrouter_header_timeout = 1.0\n'
+        f'[listen]\nagents = "127.0.0.1:{free_port()}"\napi = "127.0.0.1:0"\nrouter = "127.0.0.1:0"\n'
+        '[[models]]\nname = "m"\n[models.profile]\nengine = "sim"\nmodel = "m"\n',
+    )
+    try:
+        cp.start()
+        url = f"http://127.0.0.1:{cp.router_port}/metrics"
+        assert httpx.get(url, timeout=10).status_code == 401
+        ok = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert ok.status_code == 200 and b"llmgw_router" in ok.content
+        with socket.create_connection(("127.0.0.1", cp.router_port), timeout=15) as silent:
+            began = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the router, not by our 15 s timeout
+            assert time.monotonic() - began < 10
+    finally:
+        cp.terminate()
