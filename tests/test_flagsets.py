@@ -387,3 +387,19 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in FILES:
         assert f"agent/engines/flags/{path.name}" in names
+
+
+def test_vllm_extractor_names_extensions_and_pinned_versions(tmp_path: Path) -> None:
+    """What the probe stubs (the wheel's compiled modules) and the versions it fakes for vLLM's
+    import-time checks (``torch==2.10.0``), read from the wheel itself."""
+    assert vllm_extractor.extension_modules(
+        ["vllm/_C.abi3.so", "vllm/attn/_fa2_C.abi3.so", "vllm.libs/libcudart-1a2b.so.12", "vllm/x.py"]
+    ) == ["vllm._C", "vllm.attn._fa2_C"]
+    info = tmp_path / "vllm-0.18.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Name: vllm\nRequires-Dist: torch==2.10.0\nRequires-Dist: transformers<5,>=4.56.0\n"
+        "Requires-Dist: pytest; extra == 'test'\nRequires-Dist: regex\n",
+        encoding="utf-8",
+    )
+    assert vllm_extractor._fake_versions(tmp_path) == {"torch": "2.10.0", "transformers": "4.56.0"}

@@ -54,11 +54,20 @@ def fetch(version: str, workdir: Path) -> tuple[Path, str]:
     wheel = core.pip_download(f"vllm=={version}", workdir / "download", wheel_platforms=PLATFORMS)
     src = workdir / "src"
     core.unpack(wheel, src, keep=lambda n: n.endswith(".py") or n.endswith(".dist-info/METADATA"))
-    compiled = sorted(
-        n.split(".", 1)[0].replace("/", ".") for n in core.archive_names(wheel) if re.search(r"\.so(\.|$)", n)
-    )
+    compiled = extension_modules(core.archive_names(wheel))
     (src / _COMPILED).write_text("\n".join(compiled) + "\n", encoding="utf-8")
     return src, f"{wheel.name} from the package index"
+
+
+def extension_modules(names: list[str]) -> list[str]:
+    """Python extension modules among a wheel's member names (``vllm/_C.abi3.so`` is ``vllm._C``);
+    shared libraries outside the package tree (``vllm.libs/libfoo.so.1``) are not modules."""
+    found = set()
+    for name in names:
+        m = re.fullmatch(r"((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*)(?:\.[\w-]+)?\.so", name)
+        if m:
+            found.add(m.group(1).replace("/", "."))
+    return sorted(found)
 
 
 def extract(source_dir: Path, version: str) -> dict[str, Any]:
