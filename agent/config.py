@@ -191,6 +191,9 @@ class AgentConfig:
     heartbeat_interval: float = attrs.field(default=5.0, validator=_positive)
     reconnect_base: float = attrs.field(default=1.0, validator=_positive)
     reconnect_max: float = attrs.field(default=30.0, validator=_positive)
+    #: How long to wait for the server's HTTP/2 SETTINGS after our preface: nothing about this node
+    #: is sent before the server has spoken HTTP/2 (a wrong or silent port learns nothing).
+    settings_timeout: float = attrs.field(default=5.0, validator=_positive)
     protocol: Literal["grpc", "connect"] = "grpc"
     tls_ca: Path | None = None
     tls_cert: Path | None = None

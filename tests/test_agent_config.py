@@ -178,3 +178,14 @@ def test_verify_listener_is_on_by_default_and_a_boolean_everywhere(tmp_path: Pat
     with pytest.raises(ConfigError) as err:
         load(["--config", str(write(tmp_path, 'verify_listener = "off"\n')), *BASE], {})
     assert "verify_listener" in str(err.value) and "true or false" in str(err.value)
+
+
+def test_settings_timeout_reaches_the_stream_options() -> None:
+    from agent.nursery import stream_options
+
+    assert stream_options(load(BASE, {})).settings_timeout == 5.0
+    config = load([*BASE, "--settings-timeout", "1.5"], {})
+    assert stream_options(config).settings_timeout == 1.5
+    with pytest.raises(ConfigError) as err:
+        load(BASE, {"LLMGW_AGENT_SETTINGS_TIMEOUT": "0"})
+    assert "settings_timeout" in str(err.value) and "LLMGW_AGENT_SETTINGS_TIMEOUT" in str(err.value)
