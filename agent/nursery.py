@@ -137,7 +137,8 @@ def stream_options(config: AgentConfig) -> StreamOptions:
         tls=tls,
         keepalive_interval=interval,
         keepalive_timeout=max(min(config.heartbeat_interval * 2, 20.0), 1.0),
-        metadata=metadata,        settings_timeout=config.settings_timeout,
+        metadata=metadata,
+        settings_timeout=config.settings_timeout,
     )
 
 
