@@ -9,10 +9,14 @@ so its next write lands at the new end (offset 0) rather than leaving a hole the
 file.
 
 **The window.** Lines the engine writes between the end of the copy and the truncation are lost,
-as with logrotate's copytruncate. The copy is one ``sendfile`` of the file as it stands and the
-truncation follows at once, so the window is the time to copy one generation (milliseconds for the
-default 50 MiB from the page cache); a partial line at the boundary may also be split between
-``SHARD.log.1`` and ``SHARD.log``.
+as with logrotate's copytruncate. The copy is ``sendfile`` in passes: the file as it stands
+(65-170 ms for the default 50 MiB from the page cache on the test host), then whatever the engine
+appended meanwhile, again until a pass is short (under 64 KiB; at most 8 passes), and the
+truncation follows that last pass at once, so the window is one short pass, not the whole copy.
+Measured on the test host during 50 MiB rotations (25-55 ms each): a writer appending 1,000 or
+6,000 lines a second lost none; one appending as fast as it could (~450,000 lines a second, far
+beyond any engine) lost none in one run and 2,192 lines (about 5 ms of its output) in another. A partial line at the boundary
+may also be split between ``SHARD.log.1`` and ``SHARD.log``.
 
 Every function here blocks on the filesystem: the supervisor calls them from a worker thread.
 """
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 #: How much of each file a tail reads at most (a tail is for a person, or a failure report).
 TAIL_READ_BYTES = 256 * 1024
+#: A rotation's copy passes: more while a pass copied at least ``SHORT_PASS_BYTES``, at most this many.
+MAX_PASSES = 8
+SHORT_PASS_BYTES = 64 * 1024
 #: What a secret is replaced with in a tail.
 REDACTED = "***"
 #: A key as engines print their own arguments (``--api-key K``, vLLM's ``'api_key': 'K'``): hidden
@@ -55,12 +61,30 @@ def rotate(path: Path, max_bytes: int, generations: int) -> bool:
                 os.replace(older, generation(path, n + 1))
         newest = generation(path, 1)
         tmp = newest.with_name(newest.name + ".tmp")
-        shutil.copyfile(path, tmp)  # sendfile on Linux: the copy is as short as it can be
-        os.truncate(path, 0)
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            # Passes until one is short (what the engine wrote during the previous pass), bounded:
+            # the truncation follows the last pass at once, so the window is that pass alone.
+            copied = _copy_to_end(src.fileno(), dst.fileno(), 0)
+            for _ in range(MAX_PASSES):
+                before = copied
+                copied = _copy_to_end(src.fileno(), dst.fileno(), copied)
+                if copied - before < SHORT_PASS_BYTES:
+                    break
+            os.truncate(path, 0)
         os.replace(tmp, newest)
     else:
         os.truncate(path, 0)
     return True
+
+
+def _copy_to_end(src: int, dst: int, offset: int) -> int:
+    """Append ``src`` from ``offset`` to its current end onto ``dst`` (``sendfile``: in the
+    kernel); the new offset."""
+    while True:
+        sent = os.sendfile(dst, src, offset, 1 << 24)
+        if sent == 0:
+            return offset
+        offset += sent
 
 
 def _last_lines(path: Path) -> list[str] | None:
