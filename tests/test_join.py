@@ -211,3 +211,24 @@ require_client_cert = false
         assert not (fleet.agents["gpu01"].state_dir / "node-credential.json").exists()
     finally:
         fleet.stop()
+
+
+def test_a_state_file_written_with_a_token_in_it_loses_it_at_the_next_save(tmp_path: Path) -> None:
+    """Before this issue the saved Registers kept their token (mode 0644): a control plane that
+    restores such a file keeps no secret in memory and writes the file again without it."""
+    fleet = Fleet(tmp_path, "join6", LAYOUT)
+    state = fleet.cp.state_dir()
+    state.mkdir(parents=True)
+    old = schema.Register(
+        node_id="gpu01", mgmt_addr="127.0.0.1", token="old-secret-token", node_credential="c"
+    )
+    (state / "control-state.json").write_text(
+        json.dumps({"nodes": {"gpu01": base64.b64encode(bytes(old)).decode()}, "placements": []})
+    )
+    try:
+        fleet.cp.start()
+        poll("the state file saved again", lambda: _state_registers(fleet)["gpu01"].token == "")
+        saved = _state_registers(fleet)["gpu01"]
+        assert saved.mgmt_addr == "127.0.0.1" and saved.token == "" and saved.node_credential == ""
+    finally:
+        fleet.stop()
