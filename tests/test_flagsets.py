@@ -229,6 +229,21 @@ def test_check_argv_names_each_problem_like_the_engine() -> None:
     ]
 
 
+def test_vllm_spells_underscores_as_dashes_like_its_parser() -> None:
+    """vLLM's FlexibleArgumentParser: ``--max_model_len`` is ``--max-model-len`` (up to a ``.`` or
+    ``=``); SGLang's plain argparse has no such rule."""
+    fs = flagsets.for_version("vllm", "0.18.0")
+    assert fs.normalize(["m", "--max_model_len=4k", "--compilation_config.cudagraph_mode", "x", "-q"]) == [
+        "m",
+        "--max-model-len=4k",
+        "--compilation-config.cudagraph_mode",
+        "x",
+        "-q",
+    ]
+    assert fs.check_argv(["m", "--max_num_seqs", "8", "--enforce_eager"]) == []
+    assert fs.check_argv(["m", "--bogus_flag"]) == ["vLLM 0.18.0: unrecognized arguments: --bogus-flag"]
+
+
 def test_check_argv_deprecated_choice_needs_its_flag() -> None:
     fs = flagsets.for_version("vllm", "0.18.0")
     assert fs.check_argv(["m", "--quantization", "fbgemm_fp8"]) == [

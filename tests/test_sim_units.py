@@ -54,15 +54,15 @@ def test_model_flag_and_positional() -> None:
 
 
 def test_only_the_imitated_vllm_flags_are_accepted() -> None:
-    """Strict like vLLM: no flag outside its flag file, no abbreviation, no underscore spelling,
-    argparse's words, exit status 2; the version imitated is the newest file or the one asked."""
+    """Strict like vLLM: no flag outside its flag file, no abbreviation, argparse's words (after
+    vLLM's underscore-to-dash spelling), exit status 2; the version imitated is the newest file or the one asked."""
     newest = flagsets.available("vllm")[-1]
     assert parse_command_line(["m"], {}).vllm_version == newest
     assert parse_command_line(["m"], {"LLMGW_SIM_VLLM_VERSION": "0.18.2"}).vllm_version == "0.18.0"
     for argv, message in [
         (["serve", "m", "--bogus"], "vllm serve: error: unrecognized arguments: --bogus"),
         (["m", "--max-model"], "vllm serve: error: unrecognized arguments: --max-model"),
-        (["m", "--max_num_seqs", "4"], "vllm serve: error: unrecognized arguments: --max_num_seqs 4"),
+        (["m", "--max_num_seqz", "4"], "vllm serve: error: unrecognized arguments: --max-num-seqz 4"),
         (
             ["m", "--dtype", "fp4"],
             "vllm serve: error: argument --dtype: invalid choice: 'fp4' (choose from 'auto', ",
@@ -74,6 +74,8 @@ def test_only_the_imitated_vllm_flags_are_accepted() -> None:
             parse_command_line(argv, {"LLMGW_SIM_VLLM_VERSION": "0.33.0"})
         assert str(caught.value).startswith(message), (argv, str(caught.value))
         assert caught.value.exit_code == 2 and caught.value.usage == "usage: vllm serve [model_tag] [options]"
+    # vLLM's own spelling rule: underscores for dashes in a flag's name.
+    assert parse_command_line(["m", "--max_model_len", "1K", "--api_key=k"], {}).max_model_len == 1024
     # 0.18.0 still had gguf.
     assert (
         parse_command_line(["m", "-q", "gguf"], {"LLMGW_SIM_VLLM_VERSION": "0.18.0"}).quantization == "gguf"

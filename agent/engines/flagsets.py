@@ -116,16 +116,34 @@ class FlagSet:
         """The option spelled flag (any of its spellings, ``--no-x`` included), or None."""
         return self.by_flag.get(flag)
 
+    def normalize(self, argv: Sequence[str]) -> list[str]:
+        """argv as the engine's parser sees it after its own spelling rules, before argparse.
+
+        vLLM's ``FlexibleArgumentParser`` takes ``--max_model_len`` for ``--max-model-len``: in
+        every ``--`` argument it turns underscores into dashes up to the first ``.`` or ``=``. The
+        other engines use argparse (or click) as is."""
+        if self.engine != "vllm":
+            return list(argv)
+        out = []
+        for token in argv:
+            if token.startswith("--"):
+                key, eq, value = token.partition("=")
+                name, dot, rest = key[2:].partition(".")
+                token = f"--{name.replace('_', '-')}{dot}{rest}{eq}{value}"
+            out.append(token)
+        return out
+
     def check_argv(self, argv: Sequence[str]) -> list[str]:
         """Every reason the engine would refuse argv, in its words, prefixed with :attr:`label`.
 
         argv is what follows the program (``vllm serve``): positionals and options. The rules are
-        argparse's, as the engines use it: flags match exactly (no abbreviations), ``--x=v`` is
+        argparse's, as the engines use it, after the engine's own spellings (:meth:`normalize`):
+        flags match exactly (no abbreviations), ``--x=v`` is
         one value, a token starting with ``-`` is a flag unless it is a negative number, ``--``
         ends the options; then each value's type, its choices, and deprecated choices without
         the flag their message names.
         """
-        return [f"{self.label}: {p}" for p in _check(self, list(argv))]
+        return [f"{self.label}: {p}" for p in _check(self, self.normalize(argv))]
 
 
 def _is_flag(token: str) -> bool:

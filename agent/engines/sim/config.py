@@ -277,6 +277,7 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
     if args_list and args_list[0] == "serve":
         args_list = args_list[1:]
     fs = imitated(environ)
+    args_list = fs.normalize(args_list)
     try:
         ns = _parser(fs).parse_args(args_list)
     except _ParseError as exc:
