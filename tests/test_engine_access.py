@@ -34,7 +34,8 @@ import trio
 import schema
 from agent.supervise import procfs
 from agent.supervise.supervisor import engine_environment, redact_argv
-from control.plane import SHARD_KEY_SECRET, load_shard_key_secret, shard_key
+from control.config import parse
+from control.plane import SHARD_KEY_SECRET, ControlPlane, load_shard_key_secret, shard_key
 from control.router import ModelRoutes, Router, Upstream
 from tests.fleet_procs import Agent, ControlProcess, free_port, poll
 from tests.test_supervisor import end_engines, make_supervisor, sim_spec, wait_state
@@ -63,6 +64,54 @@ def test_shard_keys_survive_a_restart_and_the_secret_is_private(tmp_path: Path) 
     path.write_text("short\n")
     with pytest.raises(ValueError, match=r"shard-key-secret.*64 hex digits"):
         load_shard_key_secret(state)
+
+
+def test_each_shard_gets_its_key_but_trtllm_none_and_the_router_has_them(tmp_path: Path) -> None:
+    """StartShard carries the shard's key (none for trtllm-serve, which has no key option), the
+    routes carry the same key, and a Register that lists a key is saved without it."""
+    cfg = parse(
+        f'state_dir = "{tmp_path}"\n'
+        '[[models]]\nname = "v"\n[models.gpus]\ncount = 1\n[models.profile]\nengine = "vllm"\nmodel = "org/v"\n'
+        '[[models]]\nname = "t"\n[models.gpus]\ncount = 1\n[models.profile]\nengine = "trtllm"\nmodel = "org/t"\n'
+    )
+    plane = ControlPlane(cfg, clock=lambda: 0.0)
+    plane.shard_key_secret = load_shard_key_secret(tmp_path)
+    register = schema.Register(
+        node_id="n1",
+        mgmt_addr="10.0.0.1",
+        engine_ports=schema.PortRange(first=8000, last=8010),
+        gpus=[schema.Gpu(index=i, memory_total_mib=81559) for i in range(2)],
+    )
+    plane.fleet.registered(register, 0)
+    plan = trio.run(plane.replan)
+    specs = {r.model: plane.start_spec(r, s) for r in plan.replicas for s in r.shards}
+    assert set(specs) == {"v", "t"}
+    assert specs["v"].api_key == shard_key(plane.shard_key_secret, specs["v"].shard_id)
+    assert specs["t"].api_key == ""
+    # Both READY (as their agent would report, the spec without the key): routed with the key.
+    for spec in specs.values():
+        status = schema.ShardStatus(
+            node_id="n1",
+            replica_id=spec.replica_id,
+            shard_id=spec.shard_id,
+            state=State.READY,
+            http_port=spec.http_port,
+            spec=schema.StartShard.parse(bytes(spec)),
+        )
+        assert status.spec is not None
+        status.spec.api_key = ""
+        plane.fleet.shard_status("n1", status)
+    plane.build_routes()
+    keys = {name: [u.api_key for u in r.upstreams] for name, r in plane.routes().items()}
+    assert keys == {"v": [specs["v"].api_key], "org/t": [""]}
+    # An agent that reported a key anyway: it is not written to the state file.
+    leaky = schema.Register.parse(bytes(register))
+    leaky.shards = [schema.ShardStatus(node_id="n1", shard_id="v-x", spec=specs["v"])]
+    plane.fleet.registered(leaky, 1)
+    trio.run(plane.save_now)
+    assert specs["v"].api_key not in (tmp_path / "control-state.json").read_text()
+    doc = json.loads((tmp_path / "control-state.json").read_text())
+    assert specs["v"].api_key.encode() not in base64.b64decode(doc["nodes"]["n1"])
 
 
 def test_agent_settings_and_secrets_are_left_out_of_an_engine_environment() -> None:
