@@ -766,3 +766,14 @@ def test_format_indices() -> None:
 def test_launch_context_needs_a_binary() -> None:
     with pytest.raises(ValueError):
         LaunchContext(argv_prefix=())
+
+
+def test_a_value_starting_with_a_dash_is_refused_before_the_engine_reads_it_as_an_option() -> None:
+    err = refusal(vllm.build_command, spec(profile(served_model_name="-chat")), ctx("vllm"))
+    assert err.rule == "served_model_name"
+    assert str(err) == (
+        "vLLM 0.18.0: served_model_name '-chat' starts with '-', so the engine would read it as an "
+        "option; use a value that does not (a path can start with ./)"
+    )
+    err = refusal(llamacpp.build_command, spec(profile("llamacpp", model="m.gguf"), api_key="-k"), ctx("x"))
+    assert err.rule == "api_key"

@@ -362,6 +362,28 @@ def check_command_line(fs: FlagSet, args: Sequence[str]) -> None:
         raise ProfileRefused("flags", "; ".join(problems))
 
 
+def check_not_an_option(fs: FlagSet, field: str, value: str) -> None:
+    """A value we place on the command line must not start with ``-``: the engine's parser would
+    read it as an option (argparse: "expected one argument"; llama.cpp: "invalid argument"), and the
+    engine exits. Refused here, naming the field, rather than quoted in a form one engine accepts
+    and another does not."""
+    if value.startswith("-"):
+        raise ProfileRefused(
+            field,
+            f"{fs.label}: {field} {value!r} starts with '-', so the engine would read it as an option; "
+            "use a value that does not (a path can start with ./)",
+        )
+
+
+def check_values(fs: FlagSet, spec: schema.StartShard) -> None:
+    """Every value the adapters take from the StartShard and place after a flag or as the model."""
+    profile = require_profile(spec)
+    check_not_an_option(fs, "model", profile.model)
+    check_not_an_option(fs, "served_model_name", profile.served_model_name)
+    check_not_an_option(fs, "api_key", spec.api_key)
+    check_not_an_option(fs, "master_addr", spec.master_addr)
+
+
 def check_no_api_key_option(fs: FlagSet, spec: schema.StartShard, flag: str = "--api-key") -> None:
     """A shard key for an engine version without an API-key option cannot be enforced: refuse it
     rather than start an engine anyone on the network can call."""

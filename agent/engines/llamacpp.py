@@ -157,6 +157,7 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
     """The launch for the node's llama.cpp build; raises ProfileRefused for what it would refuse."""
     profile = base.require_profile(spec)
     fs = base.flag_set(NAME, ctx)
+    base.check_values(fs, spec)
     tp, _ = base.parallel_sizes(profile)
     argv = [
         "-m",

@@ -67,6 +67,7 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
     """The launch for the node's SGLang version; raises ProfileRefused for what it would refuse."""
     profile = base.require_profile(spec)
     fs = base.flag_set(NAME, ctx)
+    base.check_values(fs, spec)
     base.check_flag_choice(fs, "--dtype", profile.dtype, "dtype", profile.extra_args)
     base.check_flag_choice(fs, "--quantization", profile.quantization, "quantization", profile.extra_args)
     tp, pp = base.parallel_sizes(profile)

@@ -139,6 +139,7 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
     """The launch for the node's TensorRT-LLM version; raises ProfileRefused for what it would refuse."""
     profile = base.require_profile(spec)
     fs = base.flag_set(NAME, ctx)
+    base.check_values(fs, spec)
     base.check_no_api_key_option(fs, spec)
     tp, pp = base.parallel_sizes(profile)
     argv = [

@@ -88,6 +88,7 @@ def build_argv(spec: schema.StartShard, ctx: LaunchContext) -> tuple[str, ...]:
     with the same version's flag set. Raises ProfileRefused for what that version would refuse."""
     profile = base.require_profile(spec)
     fs = base.flag_set(NAME, ctx)
+    base.check_values(fs, spec)
     base.check_flag_choice(fs, "--dtype", profile.dtype, "dtype", profile.extra_args)
     base.check_flag_choice(fs, "--quantization", profile.quantization, "quantization", profile.extra_args)
     tp, pp = base.parallel_sizes(profile)

@@ -1,0 +1,342 @@
+"""Every command line an adapter builds is one its engine version accepts, over every flag file.
+
+The property (hypothesis over profiles, GPU layouts, launch contexts and every committed flag file
+of every engine): whatever ``plan`` accepts, its argv passes ``FlagSet.check_argv`` of the flag
+set for the node's version; and what that flag set says the engine refuses (a choice it lacks, a
+deprecated one without its enabling flag, a flag it does not have, a value of the wrong type in
+``extra_args``), ``plan`` refuses first, before anything is spawned. The flag files are the
+engines' own parsers, extracted by ``python -m enginebuild.flags``, so a pass here means the
+engine's parser would pass the argv too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import schema
+from agent.discovery.model import GpuInfo
+from agent.engines import LaunchContext, ProfileRefused, base, flagsets, llamacpp, plan, sim, trtllm
+from agent.engines.flagsets import FlagSet, Option
+
+#: The engines with flag files, and the one the simulator speaks.
+FLAG_ENGINES = ("vllm", "sglang", "llamacpp", "trtllm")
+
+#: How each adapter's argv starts before the arguments its flag set describes
+#: (the binary, then ``serve`` where the flag set's program has a sub-command).
+PREFIX: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm",),
+    "sim": sim.ARGV_PREFIX,
+    "sglang": ("python", "-m", "sglang.launch_server"),
+    "llamacpp": ("llama-server",),
+    "trtllm": ("trtllm-serve",),
+}
+SUBCOMMAND = {"vllm": ("serve",), "sim": ("serve",), "sglang": (), "llamacpp": (), "trtllm": ("serve",)}
+
+#: The flag set each engine's ``dtype`` and ``quantization`` become, where they become one.
+CLI_CHOICE_FLAGS = {"vllm": ("--dtype", "--quantization"), "sglang": ("--dtype", "--quantization")}
+
+#: Versions a node may report: every file's own, and ones between, before, after and unknown.
+EXTRA_VERSIONS = {
+    "vllm": ("", "0.17.1", "0.20.0", "0.40.0", "not-a-version"),
+    "sglang": ("", "0.5.3", "0.5.9", "0.5.23"),
+    "llamacpp": ("", "0.5.0-dev", "b6432"),
+    "trtllm": ("", "1.0.0", "1.3.0"),
+}
+
+
+def files_of(engine: str) -> list[FlagSet]:
+    return [flagsets.for_version(engine, v) for v in flagsets.available(engine)]
+
+
+def union_options(engine: str) -> list[Option]:
+    """Every option of every version of an engine, by first flag (so some are missing in some
+    versions: exactly the extra_args a version-blind operator would write)."""
+    seen: dict[str, Option] = {}
+    for fs in files_of(engine):
+        for option in fs.options:
+            seen.setdefault(option.flags[0], option)
+    return [seen[k] for k in sorted(seen)]
+
+
+def union_choices(engine: str, flag: str) -> list[str]:
+    values: set[str] = set()
+    for fs in files_of(engine):
+        option = fs.option(flag)
+        if option is not None and option.choices:
+            values.update(str(c) for c in option.choices)
+    return sorted(values)
+
+
+ALL_QUANTIZATIONS = sorted(
+    {q for e in ("vllm", "sglang") for q in union_choices(e, "--quantization")}
+    | set(llamacpp.GGUF_TYPES)
+    | set(trtllm.QUANT_ALGOS)
+    | {"exl2", "FP8", "q4_k_m"}
+)
+ALL_DTYPES = sorted({d for e in ("vllm", "sglang") for d in union_choices(e, "--dtype")} | {"fp8", "int4"})
+
+
+def values_for(option: Option) -> st.SearchStrategy[list[str]]:
+    """Tokens after a flag: mostly valid for the option's type and choices, sometimes not."""
+    if not option.takes_value:
+        return st.just([])
+    good: st.SearchStrategy[str]
+    if option.choices:
+        good = st.sampled_from([str(c) for c in option.choices])
+    elif option.type == "int":
+        good = st.integers(min_value=0, max_value=4096).map(str)
+    elif option.type == "float":
+        good = st.sampled_from(["0.5", "0.9", "1", "2.5"])
+    elif option.type == "json":
+        good = st.sampled_from(['{"a": 1}', "[1, 2]"])
+    else:
+        good = st.sampled_from(["x", "auto", "/tmp/file", "8"])
+    bad = st.sampled_from(["many", "{not json", "-", "--", "0x1"])
+    one = st.one_of(good, good, good, good, good, bad)
+    if option.nargs in ("+", "*"):
+        return st.lists(one, min_size=0 if option.nargs == "*" else 1, max_size=2)
+    if option.nargs == "?":
+        return st.lists(one, max_size=1)
+    return st.lists(one, min_size=1, max_size=1) | st.just([])
+
+
+@st.composite
+def extra_args(draw: st.DrawFn, engine: str, fs: FlagSet) -> list[str]:
+    """0-3 options: mostly the node's version's own, else another version's of the same engine
+    (what a version-blind operator writes), another engine's, or made up."""
+    own = list(fs.options)
+    any_version = union_options(fs.engine)
+    others = [o for e in FLAG_ENGINES if e != fs.engine for o in union_options(e)]
+    args: list[str] = []
+    for _ in range(draw(st.integers(min_value=0, max_value=3))):
+        option = draw(
+            st.one_of(
+                st.sampled_from(own),
+                st.sampled_from(own),
+                st.sampled_from(any_version),
+                st.sampled_from(others),
+            )
+        )
+        flag = draw(st.sampled_from(option.flags))
+        args += [flag, *draw(values_for(option))]
+    if draw(st.integers(min_value=0, max_value=5)) == 0:
+        args.append(
+            draw(st.sampled_from(["--allow-deprecated-quantization", "--made-up-flag", "positional"]))
+        )
+    return args
+
+
+MODELS = ("meta-llama/Llama-3.1-8B-Instruct", "/models/llama-8b", "m.gguf", "-dash-model", "with space")
+
+
+def own_choices(engine: str, fs: FlagSet, flag: str) -> list[str]:
+    """The choices the node's version has for a profile field, where the engine has a list."""
+    if engine == "llamacpp" and flag == "--quantization":
+        return list(llamacpp.GGUF_TYPES)
+    if engine == "trtllm" and flag == "--quantization":
+        return list(trtllm.QUANT_ALGOS)
+    option = fs.option(flag)
+    return [str(c) for c in option.choices] if option is not None and option.choices else ["auto"]
+
+
+@st.composite
+def cases(draw: st.DrawFn, engine: str) -> tuple[schema.StartShard, list[GpuInfo], LaunchContext, FlagSet]:
+    """A StartShard, the node's GPUs and launch context, and the flag set of the node's version;
+    biased towards what plan accepts, so the property is checked on many accepted argvs."""
+    flag_engine = "vllm" if engine == "sim" else engine
+    version = draw(st.sampled_from([*flagsets.available(flag_engine), *EXTRA_VERSIONS[flag_engine]]))
+    fs = flagsets.for_version(flag_engine, version)
+    model = draw(st.one_of(st.sampled_from(MODELS[:3]), st.sampled_from(MODELS)))
+    served = draw(st.one_of(st.just(model), st.just(model), st.sampled_from(["served-name", "-served"])))
+    tp = draw(st.sampled_from([0, 1, 1, 2, 4]))
+    pp = draw(st.sampled_from([0, 1, 1, 2]))
+    nnodes = draw(st.sampled_from([1, 1, 1, 1, 2]))
+    world = max(tp, 1) * max(pp, 1)
+    per_node = max(world // nnodes, 1)
+    fits = draw(st.integers(min_value=0, max_value=4)) > 0  # mostly a layout plan can take
+    n_gpus = draw(st.integers(min_value=per_node if fits else 0, max_value=8))
+    cc = draw(st.sampled_from([(9, 0), (9, 0), (8, 0), (7, 0)]))
+    node = [
+        GpuInfo(index=i, uuid=f"GPU-{i}", name="gpu", compute_capability=cc, memory_total_mib=81559)
+        for i in range(n_gpus)
+    ]
+    if fits:
+        indices = list(draw(st.permutations(range(n_gpus)))[:per_node])
+    else:
+        indices = draw(st.lists(st.integers(min_value=0, max_value=7), unique=True, max_size=n_gpus))
+    dtype = draw(
+        st.one_of(
+            st.just(""),
+            st.just(""),
+            st.sampled_from(own_choices(engine, fs, "--dtype")),
+            st.sampled_from(ALL_DTYPES),
+        )
+    )
+    quantization = draw(
+        st.one_of(
+            st.just(""),
+            st.sampled_from(own_choices(flag_engine, fs, "--quantization")),
+            st.sampled_from(ALL_QUANTIZATIONS),
+        )
+    )
+    profile = schema.EngineProfile(
+        engine=engine,
+        model=model,
+        served_model_name=served,
+        dtype=dtype,
+        quantization=quantization,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_model_len=draw(st.sampled_from([0, 0, 4096, 131072])),
+        gpu_memory_utilization=draw(st.sampled_from([0.0, 0.0, 0.5, 0.9, 1.0])),
+        extra_args=draw(extra_args(engine, fs)),
+    )
+    spec = schema.StartShard(
+        shard_id="r1-s0",
+        replica_id="r1",
+        profile=profile,
+        gpu_indices=indices,
+        http_port=8001,
+        nnodes=nnodes,
+        node_rank=draw(st.integers(min_value=0, max_value=nnodes - 1)),
+        master_addr="10.0.0.5" if nnodes > 1 else "",
+        master_port=29500 if nnodes > 1 else 0,
+        api_key=draw(st.sampled_from(["", "", "3f9a0c1d5e7b", "3f9a0c1d5e7b", "-starts-with-dash"])),
+    )
+    ctx = LaunchContext(
+        argv_prefix=PREFIX[engine],
+        host="10.0.0.7",
+        gpus=tuple(node),
+        shutdown_timeout_seconds=draw(st.sampled_from([0.0, 2.0, 30.0])),
+        engine_version=version,
+    )
+    return spec, node, ctx, fs
+
+
+def arguments(engine: str, argv: Sequence[str]) -> list[str]:
+    """What follows the program in an argv: what the flag set describes."""
+    head = (*PREFIX[engine], *SUBCOMMAND[engine])
+    assert tuple(argv[: len(head)]) == head
+    return list(argv[len(head) :])
+
+
+def refusals_the_flag_file_predicts(engine: str, profile: schema.EngineProfile, fs: FlagSet) -> list[str]:
+    """What the engine version's own parser refuses in this profile, found without the adapter:
+    its choices for the fields that become flags, and every problem in ``extra_args`` alone."""
+    found: list[str] = []
+    for flag, value in zip(
+        CLI_CHOICE_FLAGS.get(engine, ()), (profile.dtype, profile.quantization), strict=False
+    ):
+        option = fs.option(flag)
+        if not value or option is None:
+            continue
+        if option.choices is not None and value not in {str(c) for c in option.choices}:
+            found.append(f"{flag} {value}: not a choice")
+        elif value in option.deprecated_choices and not any(
+            f in profile.extra_args for f in ("--allow-deprecated-quantization",)
+        ):
+            found.append(f"{flag} {value}: deprecated")
+    # extra_args on their own: an unknown flag, a bad value or a missing one (a positional an
+    # engine would take as its model, where the adapter already gives one, is not counted).
+    found += [
+        p for p in fs.check_argv(list(profile.extra_args)) if "required" not in p and "unrecognized" not in p
+    ]
+    known = {t.partition("=")[0] for t in profile.extra_args if t.startswith("-") and len(t) > 1}
+    found += [
+        f"{flag}: unknown" for flag in sorted(known) if fs.option(flag) is None and not _is_number(flag)
+    ]
+    return found
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def check_property(
+    engine: str, case: tuple[schema.StartShard, list[GpuInfo], LaunchContext, FlagSet]
+) -> None:
+    spec, node, ctx, fs = case
+    assert spec.profile is not None
+    predicted = refusals_the_flag_file_predicts("vllm" if engine == "sim" else engine, spec.profile, fs)
+    try:
+        launch = plan(spec, node, ctx)
+    except ProfileRefused:
+        return
+    problems = fs.check_argv(arguments(engine, launch.command.argv))
+    assert problems == [], f"{fs.label} refuses what plan accepted: {problems}; argv {launch.command.argv}"
+    assert predicted == [], f"plan accepted what {fs.label}'s flag file refuses: {predicted}"
+
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("engine", [*FLAG_ENGINES, "sim"])
+def test_every_argv_plan_accepts_is_one_the_engine_version_accepts(engine: str) -> None:
+    @SETTINGS
+    @given(cases(engine))
+    def run(case: tuple[schema.StartShard, list[GpuInfo], LaunchContext, FlagSet]) -> None:
+        check_property(engine, case)
+
+    run()
+
+
+@pytest.mark.parametrize("engine", [*FLAG_ENGINES, "sim"])
+def test_the_adapters_own_flags_are_valid_without_the_final_check(engine: str) -> None:
+    """Not only the last line of defence: with the whole-argv check switched off and no
+    extra_args, what an adapter builds from the profile and the StartShard is already valid for
+    the version. (This is how the property found values starting with '-' in the model, the
+    served name and the key, which every engine's parser reads as an option.)"""
+
+    @SETTINGS
+    @given(cases(engine))
+    def run(case: tuple[schema.StartShard, list[GpuInfo], LaunchContext, FlagSet]) -> None:
+        spec, node, ctx, fs = case
+        assert spec.profile is not None
+        del spec.profile.extra_args[:]
+        try:
+            launch = plan(spec, node, ctx)
+        except ProfileRefused:
+            return
+        problems = fs.check_argv(arguments(engine, launch.command.argv))
+        assert problems == [], f"{fs.label} refuses the adapter's own argv {launch.command.argv}: {problems}"
+
+    with mock.patch.object(base, "check_command_line", lambda fs, args: None):
+        run()
+
+
+@pytest.mark.parametrize("engine", FLAG_ENGINES)
+def test_every_flag_file_is_reached(engine: str) -> None:
+    """Each committed file is the one some installed version builds for, so the property above
+    runs against every file, and a version between two files gets the older one's flags."""
+    versions = flagsets.available(engine)
+    assert versions
+    for version in versions:
+        assert flagsets.for_version(engine, version).version == version
+
+
+def test_the_property_catches_an_adapter_that_emits_a_flag_the_version_lacks() -> None:
+    """The check is not vacuous: vLLM 0.18.0's argv with a flag it has not got is refused by its
+    flag set, and the same flag in extra_args is refused by plan."""
+    fs = flagsets.for_version("vllm", "0.18.0")
+    assert fs.check_argv(["m", "--no-such-option"]) == [
+        "vLLM 0.18.0: unrecognized arguments: --no-such-option"
+    ]
+    profile = schema.EngineProfile(
+        engine="vllm", model="m", served_model_name="m", extra_args=["--no-such-option"]
+    )
+    spec = schema.StartShard(
+        shard_id="r1-s0", replica_id="r1", profile=profile, gpu_indices=[0], http_port=8001
+    )
+    gpu = GpuInfo(index=0, uuid="GPU-0", name="gpu", compute_capability=(9, 0), memory_total_mib=81559)
+    with pytest.raises(ProfileRefused) as info:
+        plan(spec, [gpu], LaunchContext(argv_prefix=("vllm",), engine_version="0.18.0"))
+    assert str(info.value) == "vLLM 0.18.0: unrecognized arguments: --no-such-option"
