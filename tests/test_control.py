@@ -16,6 +16,7 @@ import openai
 import pytest
 import trustme
 
+from control.plane import load_shard_key_secret, shard_key
 from tests.fleet_procs import (
     BIG,
     CHAT,
@@ -42,13 +43,14 @@ def test_two_replicas_ready_and_a_cross_fabric_model_explained(fleet_a: Fleet) -
     chat = CHAT.format(tag="a")
     big = BIG.format(tag="a")
     ready = poll(f"2 ready replicas of {chat}", lambda: fleet_a.ready_replicas(chat, 2))
+    secret = load_shard_key_secret(fleet_a.cp.state_dir())
     for replica in ready:
         for shard in replica["shards"]:
-            answer = httpx.post(
-                f"{shard['url']}/v1/completions",
-                json={"model": chat, "prompt": "hi", "max_tokens": 4},
-                timeout=10,
-            )
+            # Each engine answers its shard's key (what the router sends), and nobody without it.
+            url, body = f"{shard['url']}/v1/completions", {"model": chat, "prompt": "hi", "max_tokens": 4}
+            assert httpx.post(url, json=body, timeout=10).status_code == 401
+            key = {"Authorization": f"Bearer {shard_key(secret, shard['shard_id'])}"}
+            answer = httpx.post(url, json=body, headers=key, timeout=10)
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
     # Through the router, with the openai client: a streamed chat completion.
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet_a.cp.router_port}/v1", api_key="none")
