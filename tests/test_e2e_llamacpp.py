@@ -30,6 +30,7 @@ import trio
 import schema
 from agent.engines import LaunchContext
 from agent.supervise.supervisor import _IN_FLIGHT, Supervisor
+from control.plane import load_shard_key_secret, shard_key
 from enginebuild import llamacpp as enginebuild
 from tests.fleet_procs import Agent, ControlProcess, free_port, pid_alive, poll
 
@@ -170,9 +171,20 @@ def test_llama_server_placed_served_killed_and_restarted(fleet: CpuFleet) -> Non
     assert argv[argv.index(b"-c") + 1] == b"2048" and argv[argv.index(b"-ngl") + 1] == b"0"
     health = httpx.get(f"{url}/health", timeout=5)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    # Only the router can use the engine: llama-server runs with its shard's key (--api-key), so a
+    # direct request without it is refused, by llama-server itself.
+    assert b"--api-key" in argv
+    direct = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=30,
+    )
+    assert direct.status_code == 401, direct.text
+    key = {"Authorization": f"Bearer {shard_key(load_shard_key_secret(fleet.cp.state_dir()), shard_id)}"}
     # Served under the alias, and the in-flight gauge drain relies on is there, by the name we parse.
-    assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]] == [MODEL]
-    metrics = httpx.get(f"{url}/metrics", timeout=5)
+    models = httpx.get(f"{url}/v1/models", headers=key, timeout=5).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    metrics = httpx.get(f"{url}/metrics", headers=key, timeout=5)
     assert metrics.status_code == 200
     gauges = {m.group(1): float(m.group(3)) for m in _IN_FLIGHT.finditer(metrics.content)}
     assert gauges == {b"llamacpp:requests_processing": 0.0, b"llamacpp:requests_deferred": 0.0}, metrics.text
