@@ -54,6 +54,11 @@ async def test_oversized_length_is_refused_from_the_header(bystander: tuple[int,
     port, _ = bystander
     res = await raw_call(port, framing.HEADER.pack(0, 3 * 1024**3), end_stream=False)
     assert res.grpc_status == str(int(Code.RESOURCE_EXHAUSTED))
+    # A stream's first message (the Register) is bounded tighter than the rest: 1 MiB, not 4.
+    assert "exceeds the limit of 1048576 bytes" in res.grpc_message
+    # Later messages are bounded by the stream's limit: after a small first message, 4 MiB.
+    ok = framing.encode(b"")
+    res = await raw_call(port, ok + framing.HEADER.pack(0, 5 * 1024**2), end_stream=False)
     assert "exceeds the limit of 4194304 bytes" in res.grpc_message
 
 

@@ -89,6 +89,10 @@ class ServerLimits:
     """Bounds on what one peer can cost the server, and the timings of keepalive and shutdown."""
 
     max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE
+    #: The first message of a stream (the Register) comes before anything the peer says is believed,
+    #: so it gets a tighter bound: a forged 30,000-GPU Register is refused by its envelope header,
+    #: before its bytes are buffered or parsed. A real Register is a few KiB (64 GPUs, a few shards).
+    max_first_message_size: int = 1024 * 1024
     #: SETTINGS_MAX_CONCURRENT_STREAMS per connection (an agent needs one).
     max_streams_per_connection: int = 8
     #: Streams across all connections; beyond it new streams end with RESOURCE_EXHAUSTED.
@@ -176,6 +180,8 @@ class ServerStream:
     #: Why the connection under the stream failed (the peer closed it, reset the stream, stopped
     #: answering PINGs), once it has; ``None`` while it works or after an orderly end.
     error: TransportError | None = None
+    #: Messages received so far (the first is bounded by ``ServerLimits.max_first_message_size``).
+    received: int = 0
 
     def describe(self) -> str:
         """``node 'gpu01' (10.0.0.7:51234)`` for log lines; the peer's words escaped and bounded."""
@@ -184,6 +190,7 @@ class ServerStream:
         return f"an agent at {self.peer.address}"
 
     def _note(self, message: schema.AgentMessage) -> schema.AgentMessage:
+        self.received += 1
         if not self.node_id and message.register is not None:
             self.node_id = message.register.node_id
         return message
@@ -261,8 +268,14 @@ class _H2ServerStream(H2Stream, ServerStream):
     async def receive(self) -> schema.AgentMessage | None:
         if self.finished:
             return None
+        limits = self.server.limits
+        self.decoder.max_size = (
+            min(limits.max_message_size, limits.max_first_message_size)
+            if self.received == 0
+            else limits.max_message_size
+        )
         try:
-            env = await self.receive_envelope(self.server.limits.stall_timeout)
+            env = await self.receive_envelope(limits.stall_timeout)
         except framing.MessageTooLarge as exc:
             await self._refuse(Code.RESOURCE_EXHAUSTED, str(exc))
         except framing.FramingError as exc:
@@ -338,7 +351,12 @@ class _WsServerStream(ServerStream):
             raise self._closed(exc) from exc
         if isinstance(data, str):
             await self._refuse(Code.INTERNAL, "text WebSocket message; envelopes travel in binary messages")
-        decoder = framing.EnvelopeDecoder(self.server.limits.max_message_size)
+        limits = self.server.limits
+        decoder = framing.EnvelopeDecoder(
+            min(limits.max_message_size, limits.max_first_message_size)
+            if self.received == 0
+            else limits.max_message_size
+        )
         decoder.receive_data(bytes(data))
         decoder.receive_data(b"")
         try:
