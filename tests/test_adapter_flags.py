@@ -429,3 +429,177 @@ name = "{plain}"
         cp.terminate()
         if agent is not None:
             agent.stop_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The extractors behind the SGLang, trtllm-serve and llama-server files, on small inputs of the
+# shapes the engines have (the committed files are their output on the real ones).
+
+LLAMA_HELP = """----- common params -----
+
+-h,    --help, --usage                  print usage and exit
+-c,    --ctx-size N                     size of the prompt context (default: 0, 0 = loaded from model)
+                                        (env: LLAMA_ARG_CTX_SIZE)
+-fa,   --flash-attn [on|off|auto]       set Flash Attention use ('on', 'off', or 'auto', default: 'auto')
+--perf, --no-perf                       whether to enable internal libllama performance timings (default:
+                                        false)
+--cpu-strict <0|1>                      use strict CPU placement (default: 0)
+-sm,   --split-mode {none,layer,row,tensor}
+                                        how to split the model across multiple GPUs
+--spec-draft-ngl, -ngld, --gpu-layers-draft, --n-gpu-layers-draft N
+                                        number of layers to store in VRAM for the draft model
+
+----- example-specific params -----
+
+--api-key KEY                           API key to use for authentication
+-c,    --ctx-size N                     printed again by another section: kept once
+"""
+
+
+def test_llamacpp_help_parser() -> None:
+    from enginebuild.flags import llamacpp as extractor
+
+    options = {o["flags"][0]: o for o in extractor.extract_help(LLAMA_HELP)}
+    assert sorted(options) == [
+        "--api-key",
+        "--cpu-strict",
+        "--perf",
+        "--spec-draft-ngl",
+        "-c",
+        "-fa",
+        "-h",
+        "-sm",
+    ]
+    assert options["-c"]["flags"] == ["-c", "--ctx-size"] and options["-c"]["takes_value"]
+    assert options["-fa"]["choices"] == ["on", "off", "auto"]
+    assert options["-sm"]["choices"] == ["none", "layer", "row", "tensor"]
+    assert options["--cpu-strict"]["choices"] == ["0", "1"]
+    assert options["--perf"] == {
+        "flags": ["--perf", "--no-perf"],
+        "dest": "perf",
+        "takes_value": False,
+        "type": "bool",
+        "nargs": None,
+        "choices": None,
+        "deprecated_choices": {},
+    }
+    assert options["--spec-draft-ngl"]["flags"] == [
+        "--spec-draft-ngl",
+        "-ngld",
+        "--gpu-layers-draft",
+        "--n-gpu-layers-draft",
+    ]
+    assert extractor.version_of("version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU") == "b1"
+    with pytest.raises(ValueError, match="printed no"):
+        extractor.version_of("version: 6432 (c4df49a4)")
+
+
+CLICK_SOURCE = """
+import click
+
+LEVELS = {"info": 1, "debug": 2}
+
+
+@click.command("other")
+@click.option("--not-this", type=int)
+def other(not_this):
+    pass
+
+
+@click.command("serve")
+@click.argument("model", type=str)
+@click.option("--tp_size", "--tensor_parallel_size", type=int, default=1)
+@click.option("--config", "--extra_llm_api_options", "extra_llm_api_options", type=str)
+@click.option("--backend", type=ChoiceWithAlias(["pytorch", "tensorrt"], {"trt": "tensorrt"}))
+@click.option("--log_level", type=click.Choice(LEVELS.keys()))
+@click.option("--parser", type=click.Choice(Registry.parsers.keys()))
+@click.option("--trust_remote_code", is_flag=True, default=False)
+@click.option("--fraction", type=float)
+def serve(model, **kwargs):
+    pass
+"""
+
+
+def test_trtllm_click_walker() -> None:
+    from enginebuild.flags import trtllm as extractor
+
+    options, positionals = extractor.extract_source(CLICK_SOURCE)
+    assert positionals == [{"name": "model", "nargs": None}]
+    by_flag = {o["flags"][0]: o for o in options}
+    assert "--not-this" not in by_flag
+    assert by_flag["--tp_size"]["dest"] == "tensor_parallel_size" and by_flag["--tp_size"]["type"] == "int"
+    assert by_flag["--config"]["dest"] == "extra_llm_api_options"
+    assert by_flag["--backend"]["choices"] == ["pytorch", "tensorrt", "trt"]
+    assert by_flag["--log_level"]["choices"] == ["info", "debug"]
+    assert by_flag["--parser"]["choices"] is None  # a run-time registry: any string, never a wrong refusal
+    assert by_flag["--trust_remote_code"]["takes_value"] is False
+    assert by_flag["--fraction"]["type"] == "float"
+
+
+SERVER_ARGS = """
+import argparse
+import dataclasses
+
+import torch  # stubbed: never imported for real
+from sglang.srt.utils import SUPPORTED_MODULES, nullable_str
+
+QUANTIZATION_CHOICES = ["awq", "fp8"]
+
+
+class DeprecatedAction(argparse.Action):
+    def __init__(self, option_strings, dest, nargs=0, **kwargs):
+        super().__init__(option_strings, dest, nargs=nargs, **kwargs)
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    model_path: str = ""
+    tp_size: int = 1
+
+    @staticmethod
+    def add_cli_args(parser):
+        parser.add_argument("--model-path", "--model", type=str, required=True)
+        parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=ServerArgs.tp_size)
+        parser.add_argument("--quantization", type=str, choices=QUANTIZATION_CHOICES)
+        parser.add_argument("--modules", type=str, nargs="*", choices=SUPPORTED_MODULES + ["all"])
+        parser.add_argument("--tokenizer", type=nullable_str)
+        parser.add_argument("--enable-metrics", action="store_true")
+        if torch.cuda.is_available():
+            parser.add_argument("--cuda-only", action="store_true")
+        parser.add_argument("--old-flag", action=DeprecatedAction, help="gone")
+"""
+
+
+def test_sglang_runs_its_own_parser_with_imports_stubbed(tmp_path: Path) -> None:
+    from enginebuild.flags import sglang as extractor
+
+    (tmp_path / "sglang" / "srt" / "utils").mkdir(parents=True)
+    (tmp_path / "sglang" / "srt" / "server_args.py").write_text(SERVER_ARGS)
+    (tmp_path / "sglang" / "srt" / "utils" / "__init__.py").write_text(
+        "from sglang.srt.utils.common import *\n"
+    )
+    (tmp_path / "sglang" / "srt" / "utils" / "common.py").write_text(
+        'SUPPORTED_MODULES = ["q_proj", "k_proj"]\n'
+    )
+    options, positionals = extractor.options_of(extractor.build_parser(tmp_path))
+    by_flag = {o["flags"][0]: o for o in options}
+    assert positionals == []
+    assert sorted(by_flag) == [
+        "--enable-metrics",
+        "--model-path",
+        "--modules",
+        "--quantization",
+        "--tokenizer",
+        "--tp-size",
+        "-h",
+    ]
+    assert by_flag["--tp-size"]["flags"] == ["--tp-size", "--tensor-parallel-size"]
+    assert by_flag["--quantization"]["choices"] == ["awq", "fp8"]
+    # A literal from another module of the package, found in its source through a star re-export.
+    assert (
+        by_flag["--modules"]["choices"] == ["q_proj", "k_proj", "all"]
+        and by_flag["--modules"]["nargs"] == "*"
+    )
+    assert by_flag["--tokenizer"]["type"] == "str"
+    assert by_flag["--enable-metrics"]["takes_value"] is False
+    assert "torch" not in sys.modules or not hasattr(sys.modules["torch"], "_stub_name")

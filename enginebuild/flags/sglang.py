@@ -194,7 +194,11 @@ def _choices(action: argparse.Action) -> list[str] | None:
     choices = action.choices
     if choices is None or isinstance(choices, _Stub):
         return None
-    values = [str(c) for c in choices]
+    # A set (SGLang's SAMPLING_BACKEND_CHOICES is one) has no order of its own: sorted, so the
+    # file does not change with the process's string hash seed.
+    values = (
+        sorted(str(c) for c in choices) if isinstance(choices, set | frozenset) else [str(c) for c in choices]
+    )
     # A list built from a stub (``list(Registry.keys())``) comes out empty: "unknown", not "none".
     return values or None
 
@@ -212,8 +216,6 @@ def options_of(parser: argparse.ArgumentParser) -> tuple[list[dict[str, Any]], l
     options: list[dict[str, Any]] = []
     positionals: list[dict[str, Any]] = []
     for action in parser._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
         if type(action).__name__ == "DeprecatedAction":
             continue
         if not action.option_strings:

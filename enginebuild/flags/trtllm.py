@@ -119,7 +119,7 @@ def _dest(names: list[str], flags: list[str]) -> str:
 
 def extract_source(
     text: str, filename: str = str(SERVE)
-) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(options, positionals) of the ``serve`` click command in ``text``."""
     tree = ast.parse(text, filename=filename)
     dicts = _literal_dicts(tree)
@@ -177,6 +177,18 @@ def extract_source(
                 "deprecated_choices": {},
             }
         )
+    # click adds --help to every command (it prints the usage and exits 0).
+    options.append(
+        {
+            "flags": ["--help"],
+            "dest": "help",
+            "takes_value": False,
+            "type": "bool",
+            "nargs": None,
+            "choices": None,
+            "deprecated_choices": {},
+        }
+    )
     return options, positionals
 
 
