@@ -8,8 +8,12 @@ weight loading and leaves a crash-looping shard behind. No adapter touches a soc
 process: the supervisor does the I/O and polls.
 
 The rules here are the ones engines share (required fields, GPU count, compute capability, memory
-fit); each engine module adds its own lists of choices, read from the engine's source at the version
-it pins in its docstring.
+fit), and the ones read from the flag set of the engine version the node runs
+(``agent/engines/flags/<engine>-<version>.json``, extracted from the engine's own parser by
+``python -m enginebuild.flags``): a choice it lacks, a deprecated one without its enabling flag, a
+flag it does not have, a value of the wrong type, in ``extra_args`` too. Those refusals name the
+engine and the version ("vLLM 0.18.0: --quantization fbgemm_fp8 is deprecated and needs
+--allow-deprecated-quantization"). No choice list is typed by hand here.
 """
 
 from __future__ import annotations
@@ -35,9 +39,6 @@ MIB = 1024**2
 #: cache. One GiB per GPU is a floor, not an estimate: a refusal must never be wrong, so the check
 #: only refuses profiles that cannot possibly load.
 HEADROOM_BYTES_PER_GPU = 1 * GIB
-
-#: dtype choices shared by vLLM and SGLang (``--dtype``), from their arg parsers.
-TORCH_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 class ProfileRefused(Exception):
