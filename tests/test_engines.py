@@ -182,6 +182,20 @@ def test_vllm_shutdown_timeout_only_where_the_version_has_it(monkeypatch: pytest
     assert "--shutdown-timeout" not in cmd.argv
 
 
+def test_vllm_older_than_every_flag_file_gets_no_shutdown_timeout() -> None:
+    """A 0.17 node is checked against the oldest file (0.18.0), which has the flag; 0.17 has not,
+    and would exit on it: the drain window is left out, the rest of the argv is built as usual."""
+    old = vllm.build_command(
+        spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version="0.17.1")
+    )
+    assert "--shutdown-timeout" not in old.argv
+    for version in ("0.18.0", "0.18.2", "0.33.0", ""):
+        cmd = vllm.build_command(
+            spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version=version)
+        )
+        assert cmd.argv[-2:] == ("--shutdown-timeout", "27"), version
+
+
 def test_api_key_is_the_engines_own_option() -> None:
     key = "k3y-of-the-shard"
     for engine, prefix in (("vllm", "vllm"), ("sglang", "python"), ("llamacpp", "llama-server")):

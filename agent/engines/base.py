@@ -327,6 +327,15 @@ def flag_set(engine: str, ctx: LaunchContext) -> FlagSet:
     return flagsets.for_version(engine, ctx.engine_version)
 
 
+def older_than_its_file(fs: FlagSet, ctx: LaunchContext) -> bool:
+    """Whether the node's version is known and older than the file chosen for it (the oldest file
+    stands in for every older version): the file may then list options the node's engine has not
+    got yet, so an adapter leaves out the ones it can do without (vLLM's ``--shutdown-timeout``,
+    new in 0.18.0, on a 0.17 node)."""
+    have, file = flagsets.version_key(ctx.engine_version), flagsets.version_key(fs.version)
+    return have is not None and file is not None and have[0] == file[0] and have < file
+
+
 def check_flag_choice(fs: FlagSet, flag: str, value: str, field: str, extra_args: Sequence[str]) -> None:
     """``value`` for ``flag`` is what this engine version accepts: the flag exists, the value is
     one of its choices, and a deprecated choice comes with the flag that enables it.

@@ -15,8 +15,9 @@ Flags, and where each was read (vllm-project/vllm):
   workers and no API server) and ``docs/serving/parallelism_scaling.md``.
 - ``--shutdown-timeout SECONDS``: added by vllm-project/vllm#34730, first released in 0.18.0; 0,
   the default, aborts in-flight requests on SIGTERM, N drains them for up to N seconds. Emitted
-  only when the node's version has it (older vLLM exits on the unknown flag), and set below the
-  supervisor's SIGKILL deadline (``base.drain_seconds``).
+  only when the node's version has it (older vLLM exits on the unknown flag; a node older than
+  the oldest flag file gets none, ``base.older_than_its_file``), and set below the supervisor's
+  SIGKILL deadline (``base.drain_seconds``).
 - ``--api-key KEY``: the shard's secret (``StartShard.api_key``); vLLM answers 401 on ``/v1/*``
   without it and leaves ``/health`` and ``/metrics`` open, which the supervisor's probes use.
 
@@ -114,7 +115,7 @@ def build_argv(spec: schema.StartShard, ctx: LaunchContext) -> tuple[str, ...]:
     if profile.gpu_memory_utilization:
         argv += ["--gpu-memory-utilization", base.fmt_number(profile.gpu_memory_utilization)]
     drain = base.drain_seconds(ctx.shutdown_timeout_seconds)
-    if drain > 0 and fs.option("--shutdown-timeout") is not None:
+    if drain > 0 and fs.option("--shutdown-timeout") is not None and not base.older_than_its_file(fs, ctx):
         argv += ["--shutdown-timeout", str(drain)]
     if spec.api_key:
         base.check_no_api_key_option(fs, spec)
