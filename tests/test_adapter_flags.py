@@ -603,3 +603,39 @@ def test_sglang_runs_its_own_parser_with_imports_stubbed(tmp_path: Path) -> None
     assert by_flag["--tokenizer"]["type"] == "str"
     assert by_flag["--enable-metrics"]["takes_value"] is False
     assert "torch" not in sys.modules or not hasattr(sys.modules["torch"], "_stub_name")
+
+
+def test_a_vllm_without_its_graceful_flag_is_not_trusted_to_drain_and_the_sim_follows_its_version() -> None:
+    """plan's stop behaviour follows the argv it built: a vLLM older than --shutdown-timeout aborts on
+    SIGTERM, so the supervisor must wait for in-flight requests itself. And the simulator takes the
+    choices of the vLLM version it imitates on the node, not the oldest file's."""
+    gpu = GpuInfo(index=0, uuid="GPU-0", name="gpu", compute_capability=(9, 0), memory_total_mib=81559)
+
+    def launch(engine: str, version: str, quantization: str = "", grace: float = 30.0) -> object:
+        profile = schema.EngineProfile(
+            engine=engine, model="m", served_model_name="m", quantization=quantization
+        )
+        spec = schema.StartShard(
+            shard_id="r1-s0", replica_id="r1", profile=profile, gpu_indices=[0], http_port=8001
+        )
+        ctx = LaunchContext(argv_prefix=(engine,), engine_version=version, shutdown_timeout_seconds=grace)
+        return plan(spec, [gpu], ctx)
+
+    new, old = launch("vllm", "0.18.0"), launch("vllm", "0.17.1")
+    assert "--shutdown-timeout" in new.command.argv and new.stop.drains_in_flight  # type: ignore[attr-defined]
+    assert "--shutdown-timeout" not in old.command.argv and not old.stop.drains_in_flight  # type: ignore[attr-defined]
+    only_new = sorted(
+        set(union_choices("vllm", "--quantization"))
+        - set(own_choices("vllm", flagsets.for_version("vllm", "0.18.0"), "--quantization"))
+    )
+    assert only_new, "vLLM 0.33.0 has quantization methods 0.18.0 lacks"
+    newest = flagsets.available("vllm")[-1]
+    quant = next(
+        q
+        for q in only_new
+        if q in own_choices("vllm", flagsets.for_version("vllm", newest), "--quantization")
+    )
+    accepted = launch("sim", newest, quantization=quant)
+    assert quant in accepted.command.argv  # type: ignore[attr-defined]
+    with pytest.raises(ProfileRefused):
+        launch("sim", "0.18.0", quantization=quant)

@@ -89,12 +89,13 @@ def plan(spec: schema.StartShard, node_gpus: Sequence[GpuInfo], ctx: LaunchConte
     check_spec(spec)
     gpus = select_gpus(node_gpus, spec.gpu_indices)
     engine.validate(profile, gpus, nnodes=max(spec.nnodes, 1))
-    return Launch(
-        engine=engine.name,
-        command=engine.build_command(spec, ctx),
-        readiness=engine.readiness(spec),
-        stop=engine.stop,
-    )
+    command = engine.build_command(spec, ctx)
+    stop = engine.stop
+    if stop.drains_in_flight and stop.graceful_flag and stop.graceful_flag not in command.argv:
+        # The engine drains on SIGTERM only with its graceful flag, which this version (or a stop
+        # grace too short for a margin) did not get: SIGTERM aborts, so a drain must wait itself.
+        stop = attrs.evolve(stop, drains_in_flight=False)
+    return Launch(engine=engine.name, command=command, readiness=engine.readiness(spec), stop=stop)
 
 
 __all__ = [

@@ -71,13 +71,12 @@ STOP = StopBehaviour(
 
 
 def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1) -> None:
-    """vLLM's choices always; the GPU rules only when GPUs are given, since the simulator runs on
+    """The GPU rules only when GPUs are given, since the simulator runs on
     CPU-only nodes too (a demo fleet can be laptops)."""
     base.check_required(profile, NAME)
     base.check_env(profile)
-    speaks = f"the simulator (vLLM {vllm.VERSION}'s choices)"
-    base.check_choice("dtype", profile.dtype, vllm.DTYPES, speaks)
-    base.check_choice("quantization", profile.quantization, vllm.QUANTIZATIONS, speaks)
+    # dtype and quantization are checked by ``vllm.build_argv`` against the flag file of the vLLM
+    # version the simulator imitates on this node (it reports it as its own version).
     if gpus:
         vllm.validate_as(NAME, profile, gpus, nnodes=nnodes)
 
