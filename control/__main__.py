@@ -151,6 +151,13 @@ def render(command: str, doc: Any) -> str:
                 f"{s['node_id']} GPUs {','.join(map(str, s['gpus'])) or '-'}" for s in r["shards"]
             )
             out.append(f"  {r['replica_id']}: placed on {where} ({r['state']})")
+            for sh in r["shards"]:
+                # Why a placed shard is not serving, in the agent's (often the engine's) own words.
+                if sh.get("error"):
+                    retry = f"; retry in {sh['retry_in_s']:g} s" if sh.get("retry_in_s") else ""
+                    out.append(
+                        f"      {sh['shard_id']} on {sh['node_id']}: {sh['state']}: {sh['error']}{retry}"
+                    )
         for u in doc["unplaced"]:
             out.append(f"  {u['replica_id']}: cannot run: {u['reason']}")
             for node, reason in sorted(u["per_node"].items()):

@@ -418,10 +418,11 @@ name = "{plain}"
 
         (shard,) = poll(f"{refused} failed with vLLM's words", refused_with_reason, timeout=30)
         assert shard["state"] == "failed", shard
-        # The reason is in ctl why (its JSON; the text form shows the replica as "not ready").
-        why = cp.ctl("why", refused, "--json")
-        assert why.returncode == 0, why.stderr
-        assert words in why.stdout, why.stdout
+        # The reason is in ctl why, as text and as JSON.
+        for form in ((), ("--json",)):
+            why = cp.ctl("why", refused, *form)
+            assert why.returncode == 0, why.stderr
+            assert words in why.stdout, why.stdout
         # Nothing was spawned for it, ever: no engine process names it.
         assert not sim_processes(refused)
         assert len(sim_processes(plain)) == 1
