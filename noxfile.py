@@ -70,8 +70,9 @@ def flags(session: nox.Session) -> None:
     packages' own code: downloads each package without its dependencies (vLLM's wheel is ~400 MB),
     imports nothing heavy, needs no GPU. ``nox -s flags -- vllm 0.18.0`` writes one file."""
     # pydantic is real in the extractor's child process: vLLM's and SGLang's config dataclasses
-    # are pydantic's, and their defaults run while the parsers are built.
-    session.install("-e", ".", "pydantic>=2.12")
+    # are pydantic's, and their defaults run while the parsers are built. msgspec is real for
+    # SGLang >= 0.5.23, whose options are msgspec Structs in sglang.srt.arg_groups.
+    session.install("-e", ".", "pydantic>=2.12", "msgspec>=0.19")
     session.run("python", "-m", "enginebuild.flags", *(session.posargs or ["--all"]))
 
 

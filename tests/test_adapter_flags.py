@@ -606,6 +606,95 @@ def test_sglang_runs_its_own_parser_with_imports_stubbed(tmp_path: Path) -> None
     assert "torch" not in sys.modules or not hasattr(sys.modules["torch"], "_stub_name")
 
 
+# SGLang 0.5.23's layout in miniature: the options are annotated fields in sglang.srt.arg_groups,
+# turned into add_argument calls by its own arg_utils (dataclasses here, msgspec Structs there).
+SGLANG_ARG_GROUPS = {
+    "srt/server_args.py": """
+from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
+from sglang.srt.arg_groups.fields import Model
+from sglang.srt.arg_groups.overrides import resolving_view  # a resolution hook: stubbed
+
+
+class ServerArgs:
+    @staticmethod
+    def add_cli_args(parser):
+        add_cli_args_from_dataclass(parser, Model)
+""",
+    "srt/arg_groups/__init__.py": "",
+    "srt/arg_groups/overrides.py": "raise RuntimeError('a resolution hook must not run')\n",
+    "srt/arg_groups/choices.py": "QUANTIZATION_CHOICES = ['awq', 'auto-round']\n",
+    "srt/arg_groups/arg_utils.py": """
+import dataclasses
+from typing import Literal, get_args, get_origin, get_type_hints
+
+
+def add_cli_args_from_dataclass(parser, cls):
+    hints = get_type_hints(cls, include_extras=True)
+    for field in dataclasses.fields(cls):
+        inner, meta = get_args(hints[field.name])
+        name = "--" + field.name.replace("_", "-")
+        if get_origin(inner) is Literal:
+            parser.add_argument(name, type=str, choices=list(get_args(inner)))
+        elif inner is bool:
+            parser.add_argument(name, action="store_true")
+        else:
+            parser.add_argument(name, type=meta.get("type_parser") or inner, choices=meta.get("choices"))
+""",
+    "srt/arg_groups/fields/__init__.py": """
+import dataclasses
+from typing import Annotated as A, Literal
+
+from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.utils.common import human_readable_int
+
+
+@dataclasses.dataclass
+class Model:
+    quantization: A[str, {"choices": QUANTIZATION_CHOICES}] = None
+    context_length: A[int, {"type_parser": human_readable_int}] = None
+    cuda_graph_backend: A[str, {"choices": Backend.ALL}] = "full"
+    dtype: A[Literal["auto", "half"], {}] = "auto"
+    trust_remote_code: A[bool, {}] = False
+""",
+    "srt/model_executor/cuda_graph_config.py": """
+from sglang.srt.runtime_context import get_exec  # stubbed
+
+
+class Backend:
+    FULL = "full"
+    BREAKABLE = "breakable"
+    ALL = (FULL, BREAKABLE)
+""",
+    "srt/utils/common.py": "import torch\n\n\ndef human_readable_int(value):\n    return int(value)\n",
+}
+
+
+def test_sglang_arg_groups_layout_runs_its_field_modules_for_real(tmp_path: Path) -> None:
+    from enginebuild.flags import sglang as extractor
+
+    for name, text in SGLANG_ARG_GROUPS.items():
+        (tmp_path / "sglang" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "sglang" / name).write_text(text)
+    options, _ = extractor.options_of(extractor.build_parser(tmp_path))
+    by_flag = {o["flags"][0]: o for o in options}
+    assert sorted(by_flag) == [
+        "--context-length",
+        "--cuda-graph-backend",
+        "--dtype",
+        "--quantization",
+        "--trust-remote-code",
+        "-h",
+    ]
+    assert by_flag["--quantization"]["choices"] == ["awq", "auto-round"]
+    assert by_flag["--cuda-graph-backend"]["choices"] == ["full", "breakable"]  # a class attribute
+    assert by_flag["--dtype"]["choices"] == ["auto", "half"]
+    # A stubbed module's function is kept by ``type_parser or int``: "32k" is a valid length.
+    assert by_flag["--context-length"]["type"] == "str"
+    assert by_flag["--trust-remote-code"]["takes_value"] is False
+    assert not any(name.startswith("sglang") for name in sys.modules)
+
+
 def test_a_vllm_without_its_graceful_flag_is_not_trusted_to_drain_and_the_sim_follows_its_version() -> None:
     """plan's stop behaviour follows the argv it built: a vLLM older than --shutdown-timeout aborts on
     SIGTERM, so the supervisor must wait for in-flight requests itself. And the simulator takes the

@@ -105,6 +105,28 @@ def test_vllm_options_the_adapter_and_sim_rely_on() -> None:
     assert fs.option("--bogus") is None
 
 
+def test_sglang_0_5_23_quantization_facts() -> None:
+    """0.5.23 declares its options in ``sglang.srt.arg_groups`` (msgspec Structs, choice lists in
+    ``arg_groups/choices.py``): the file is read from that layout, has auto-round and has dropped
+    qoq, which 0.5.10.post1 still takes; the options the adapter writes are all there."""
+    new, old = flagsets.for_version("sglang", "0.5.23"), flagsets.for_version("sglang", "0.5.10.post1")
+    assert new.version == "0.5.23"
+    q, q_old = new.option("--quantization"), old.option("--quantization")
+    assert q is not None and q.choices is not None and q_old is not None and q_old.choices is not None
+    assert {"auto-round", "auto-round-int8"} <= set(q.choices)
+    assert "qoq" not in q.choices and "qoq" in q_old.choices
+    # Literal-typed fields (their choices come from the annotation), aliases from Arg(aliases=...).
+    assert new.option("--tensor-parallel-size") is new.option("--tp-size")
+    backend = new.option("--cuda-graph-backend-decode")
+    assert backend is not None and backend.choices == ("full", "breakable", "disabled")
+    # Converters from stubbed modules survive ``type_parser or <annotation's type>``: --context-length
+    # is ``Optional[int]`` parsed by human_readable_int ("32k"), --forward-hooks by json_list_type.
+    assert new.option("--context-length").type == "str"  # type: ignore[union-attr]
+    assert new.option("--forward-hooks").type == "json"  # type: ignore[union-attr]
+    for flag in ("--model-path", "--served-model-name", "--host", "--port", "--pp-size", "--api-key"):
+        assert new.option(flag) is not None, flag
+
+
 # Choosing a file for an installed version.
 
 
