@@ -10,6 +10,7 @@ import json
 import signal
 import sys
 
+import attrs
 import pytest
 
 import schema
@@ -721,7 +722,11 @@ def test_plan_validates_and_builds() -> None:
     assert launch.engine == "vllm"
     assert launch.command.env["CUDA_VISIBLE_DEVICES"] == "3,1"
     assert launch.readiness.model_name == "m"
-    assert launch.stop is vllm.STOP
+    # No --shutdown-timeout here (no stop grace given): SIGTERM aborts, so it does not drain itself.
+    assert "--shutdown-timeout" not in launch.command.argv
+    assert launch.stop == attrs.evolve(vllm.STOP, drains_in_flight=False)
+    graceful = plan(s, node, ctx("vllm", shutdown_timeout_seconds=30.0, engine_version="0.18.0"))
+    assert "--shutdown-timeout" in graceful.command.argv and graceful.stop is vllm.STOP
 
 
 def test_plan_refuses_before_launch() -> None:
