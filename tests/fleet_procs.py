@@ -6,6 +6,7 @@ also ends the engines they spawned, found through the agents' own state director
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import sys
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -406,3 +407,53 @@ LAYOUT_A = [
     ("gpu02", "h100x4.toml", "ib-a", "127.0.0.2"),
     ("gpu03", "h100x8.toml", "ib-b", "127.0.0.3"),
 ]
+
+
+def sim_version() -> str:
+    """The vLLM version the simulator imitates, as its own ``--version`` says (and the agent's
+    version probe reads it), so tests follow whichever version it imitates."""
+    out = subprocess.run(
+        [sys.executable, "-m", "agent.engines.sim", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@contextlib.contextmanager
+def one_node(
+    tmp: Path, models: str, ports: str, engines: str = "", agent_extra: tuple[str, ...] = ()
+) -> Iterator[tuple[ControlProcess, Agent]]:
+    """A real control plane with ``models`` (its ``[[models]]`` tables) and one CPU-only agent,
+    gpu07 on loopback, whose vLLM binary is the simulator (plus ``engines``, ``;``-separated), both
+    ended (engines included) when the block ends."""
+    cp = ControlProcess(
+        tmp / "cp",
+        f'state_dir = "{tmp / "cp" / "state"}"\nreconcile_interval = 0.3\n[listen]\n'
+        f'agents = "127.0.0.1:{free_port()}"\napi = "127.0.0.1:0"\nrouter = "127.0.0.1:0"\n'
+        f'[engines]\nports = "{ports}"\n{models}',
+    )
+    agent = None
+    try:
+        cp.start()
+        sim = f"vllm={sys.executable} -m agent.engines.sim"
+        agent = Agent(
+            tmp / "agents",
+            "gpu07",
+            f"http://127.0.0.1:{cp.agent_port}",
+            None,
+            "ib-a:mlx5_0:1",
+            "127.0.0.1",
+            extra=(
+                "--engine-ports",
+                ports,
+                "--engines",
+                f"{sim};{engines}" if engines else sim,
+                *agent_extra,
+            ),
+        )
+        agent.start()
+        yield cp, agent
+    finally:
+        cp.terminate()
+        if agent is not None:
+            agent.stop_all()

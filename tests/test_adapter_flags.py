@@ -12,7 +12,6 @@ engine's parser would pass the argv too.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import LaunchContext, ProfileRefused, base, flagsets, llamacpp, plan, sim, trtllm
 from agent.engines.flagsets import FlagSet, Option
-from tests.fleet_procs import Agent, ControlProcess, free_port, poll, sim_processes
+from tests.fleet_procs import one_node, poll, sim_processes, sim_version
 
 #: The engines with flag files, and the one the simulator speaks.
 FLAG_ENGINES = ("vllm", "sglang", "llamacpp", "trtllm")
@@ -347,14 +346,6 @@ def test_the_property_catches_an_adapter_that_emits_a_flag_the_version_lacks() -
     assert str(info.value) == "vLLM 0.18.0: unrecognized arguments: --no-such-option"
 
 
-def sim_version() -> str:
-    """The vLLM version the simulator imitates, as the agent's version probe reads it."""
-    done = subprocess.run(
-        [sys.executable, "-m", "agent.engines.sim", "--version"], capture_output=True, text=True, check=True
-    )
-    return done.stdout.strip()
-
-
 def test_fleet_a_deprecated_quantization_is_refused_before_launch(tmp_path: Path) -> None:
     """A real control plane and agent on a node without GPUs, vLLM's command line run by the
     simulator (the ``sim`` engine builds vLLM's argv for the vLLM version it imitates, which the
@@ -366,45 +357,11 @@ def test_fleet_a_deprecated_quantization_is_refused_before_launch(tmp_path: Path
     refused, plain = f"fbgemm-{tag}", f"plain-{tag}"
     version = flagsets.for_version("vllm", sim_version()).version
     profile = 'engine = "sim"\nmodel = "m"\nenv = { LLMGW_SIM_LOAD_SECONDS = "0.2" }'
-    cp = ControlProcess(
-        tmp_path / "cp",
-        f"""state_dir = "{tmp_path / "cp" / "state"}"
-reconcile_interval = 0.3
-[listen]
-agents = "127.0.0.1:{free_port()}"
-api = "127.0.0.1:0"
-router = "127.0.0.1:0"
-[engines]
-ports = "23700-23799"
-[[models]]
-name = "{refused}"
-[models.profile]
-{profile}
-quantization = "fbgemm_fp8"
-[[models]]
-name = "{plain}"
-[models.profile]
-{profile}
-""",
+    models = (
+        f'[[models]]\nname = "{refused}"\n[models.profile]\n{profile}\nquantization = "fbgemm_fp8"\n'
+        f'[[models]]\nname = "{plain}"\n[models.profile]\n{profile}\n'
     )
-    agent = None
-    try:
-        cp.start()
-        agent = Agent(
-            tmp_path / "agents",
-            "gpu07",
-            f"http://127.0.0.1:{cp.agent_port}",
-            None,
-            "ib-a:mlx5_0:1",
-            "127.0.0.1",
-            extra=(
-                "--engine-ports",
-                "23700-23799",
-                "--engines",
-                f"vllm={sys.executable} -m agent.engines.sim",
-            ),
-        )
-        agent.start()
+    with one_node(tmp_path, models, "23700-23799") as (cp, _):
         poll(
             f"{plain} ready",
             lambda: [r for r in cp.api("/api/replicas") if r["state"] == "ready"],
@@ -426,10 +383,6 @@ name = "{plain}"
         # Nothing was spawned for it, ever: no engine process names it.
         assert not sim_processes(refused)
         assert len(sim_processes(plain)) == 1
-    finally:
-        cp.terminate()
-        if agent is not None:
-            agent.stop_all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,20 +20,10 @@ import trio
 
 from agent.engines import versions
 from agent.engines.versions import Installed, Probe, plan_probe, read_version
-from tests.fleet_procs import Agent, ControlProcess, free_port, pid_alive, poll, sim_processes
+from tests.fleet_procs import free_port, one_node, pid_alive, poll, sim_processes, sim_version
 
 
 @functools.cache
-def sim_version() -> str:
-    """What the simulator's own ``--version`` prints: the vLLM version it imitates, asked the way
-    an operator would (so these tests follow whichever version the simulator imitates)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "agent.engines.sim", "--version"], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
 def _script(directory: Path, name: str, body: str) -> Path:
     path = directory / name
     path.write_text(f"#!/bin/sh\n{body}\n")
@@ -231,45 +220,11 @@ def test_fleet_a_model_asking_for_a_version_no_node_has_is_explained_and_never_s
     tag = f"v{os.getpid()}"
     wanted, plain = f"new-{tag}", f"ok-{tag}"
     profile = 'engine = "sim"\nmodel = "m"\nenv = { LLMGW_SIM_LOAD_SECONDS = "0.2" }'
-    cp = ControlProcess(
-        tmp_path / "cp",
-        f"""state_dir = "{tmp_path / "cp" / "state"}"
-reconcile_interval = 0.3
-[listen]
-agents = "127.0.0.1:{free_port()}"
-api = "127.0.0.1:0"
-router = "127.0.0.1:0"
-[engines]
-ports = "23800-23899"
-[[models]]
-name = "{wanted}"
-[models.profile]
-{profile}
-engine_version = ">=99"
-[[models]]
-name = "{plain}"
-[models.profile]
-{profile}
-""",
+    models = (
+        f'[[models]]\nname = "{wanted}"\n[models.profile]\n{profile}\nengine_version = ">=99"\n'
+        f'[[models]]\nname = "{plain}"\n[models.profile]\n{profile}\n'
     )
-    agent = None
-    try:
-        cp.start()
-        agent = Agent(
-            tmp_path / "agents",
-            "gpu07",
-            f"http://127.0.0.1:{cp.agent_port}",
-            None,
-            "ib-a:mlx5_0:1",
-            "127.0.0.1",
-            extra=(
-                "--engine-ports",
-                "23800-23899",
-                "--engines",
-                f"vllm={sys.executable} -m agent.engines.sim;llamacpp=llmgw-no-such-llama-server",
-            ),
-        )
-        agent.start()
+    with one_node(tmp_path, models, "23800-23899", engines="llamacpp=llmgw-no-such-llama-server") as (cp, _):
         poll(
             f"{plain} ready",
             lambda: [r for r in cp.api("/api/replicas") if r["state"] == "ready"],
@@ -298,10 +253,6 @@ name = "{plain}"
         assert not [r for r in cp.api("/api/replicas") if r["model"] == wanted and r["shards"]]
         assert not sim_processes(wanted)
         assert len(sim_processes(plain)) == 1
-    finally:
-        cp.terminate()
-        if agent is not None:
-            agent.stop_all()
 
 
 async def test_the_agent_builds_every_launch_context_with_the_version_it_found(
