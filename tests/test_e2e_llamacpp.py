@@ -38,10 +38,12 @@ MODEL = "tiny-llama"
 #: Engine ports for this test's agent: its own range, so a concurrent fleet test cannot collide.
 ENGINE_PORTS = "23700-23799"
 BACKOFF = 3.0
-#: Tokens in the long completion the stop tests keep open: from about a second (idle cores) to ten
-#: (two busy shared cores) at this tiny model's speed, far longer than a drain's first look at
-#: /metrics, which comes milliseconds after the drain command.
-LONG = 400
+#: Tokens in the long completion the stop tests keep open: about 0.8 s at the 1,250 tokens/s this
+#: tiny model reached on an idle 2-core host, and proportionally longer on busy cores (400 took only
+#: 0.3 s there, and a stop's SIGTERM on a loaded runner landed after the last token). That is far
+#: longer than a drain's first look at /metrics or a stop's signal, which come milliseconds after
+#: the command, and well inside the drain's 60 s deadline and the shard's 2048-token context.
+LONG = 1000
 
 
 def _built() -> enginebuild.Built:
@@ -266,7 +268,7 @@ async def test_drain_waits_for_in_flight_requests_and_sigterm_does_not(
         gpus=(),
         launch_context=lambda _: LaunchContext(argv_prefix=(str(engine.server),), host="127.0.0.1"),
         stop_grace=3,
-        poll_interval=0.05,
+        poll_interval=0.5,
     )
     profile = schema.EngineProfile(
         engine="llamacpp", model=str(engine.model), served_model_name=MODEL, max_model_len=2048
