@@ -14,7 +14,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-PACKAGES = ["schema", "agent", "control"]
+PACKAGES = ["schema", "agent", "control", "router"]
 CHECKED = [*PACKAGES, "demo", "bench", "enginebuild"]
 
 

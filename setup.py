@@ -1,6 +1,6 @@
-"""The one native piece, the router's relay pump thread (control/_pump.c).
+"""The one native piece, the router's relay pump thread (router/_pump.c).
 
-It is optional: without a C compiler the build goes on without it and control.relay uses its
+It is optional: without a C compiler the build goes on without it and router.relay uses its
 pure-Python pump, which behaves the same and costs more CPU per relayed event."""
 
 from setuptools import Extension, setup
@@ -8,8 +8,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "control._pump",
-            ["control/_pump.c"],
+            "router._pump",
+            ["router/_pump.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
             optional=True,
         )

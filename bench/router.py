@@ -2,7 +2,7 @@
 
 ``python -m bench.router`` (part of ``nox -s bench``) starts one simulated engine
 (``python -m agent.engines.sim``: 64 tokens per request, a fixed inter-token latency), our router as
-its own process (``python -m control.router --static bench=URL``) and LiteLLM's proxy as its own
+its own process (``python -m router --static bench=URL``) and LiteLLM's proxy as its own
 process (offline: ``api_base`` at the same engine, ``LITELLM_LOCAL_MODEL_COST_MAP=True``), then
 drives the same streaming chat workload at each concurrency against each of the three and prints:
 
@@ -46,7 +46,7 @@ import attrs
 import httpx
 import trio
 
-from control.router import CHUNKED, LENGTH, ChunkedScanner, parse_response_head
+from router.server import CHUNKED, LENGTH, ChunkedScanner, parse_response_head
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench"
@@ -504,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs.append(engine)
         router = start(
             "router",
-            [py, "-m", "control.router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
+            [py, "-m", "router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
              "--host", "127.0.0.1", "--port", str(router_port)],
             dict(os.environ), tmp, router_port,
         )  # fmt: skip
@@ -513,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_python_pump:
             router_py = start(
                 "router-py",
-                [py, "-m", "control.router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
+                [py, "-m", "router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
                  "--host", "127.0.0.1", "--port", str(router_py_port)],
                 {**os.environ, "LLMGW_RELAY": "python"}, tmp, router_py_port,
             )  # fmt: skip
@@ -571,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(
             "targets: direct = the engine itself (the physical limit); relay = a bare TCP relay, no HTTP (the floor "
-            "any proxy process pays here); router = python -m control.router; router-py = the same with its "
+            "any proxy process pays here); router = python -m router; router-py = the same with its "
             "Python relay pump (LLMGW_RELAY=python); litellm = LiteLLM's proxy"
         )
         print(f"router: {pump.split('(', 1)[-1].rstrip(')')}")

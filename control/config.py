@@ -94,8 +94,8 @@ from cattrs.v import format_exception
 
 import schema
 from control.placement import engine_constraint
-from control.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
-from control.router import (
+from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
+from router.server import (
     DEFAULT_CLIENT_IDLE_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
@@ -555,11 +555,11 @@ class ControlConfig:
     endpoints: tuple[EndpointConfig, ...] = ()
     #: Bearer keys the router accepts; empty: no key needed.
     api_keys: tuple[str, ...] = ()
-    #: The router's relay pump pause after each wake-up, in microseconds (control/relay.py).
+    #: The router's relay pump pause after each wake-up, in microseconds (router/relay.py).
     router_coalesce_us: int = attrs.field(default=DEFAULT_COALESCE_US, validator=_coalesce)
     #: The router's wait for an engine's first response byte, and the longest silence of an engine
     #: once its response began, in seconds; past either the request ends (504, or an error event
-    #: mid-stream) and the replica is ejected. Why these defaults: control/router.py.
+    #: mid-stream) and the replica is ejected. Why these defaults: router/server.py.
     router_response_timeout: float = attrs.field(default=DEFAULT_RESPONSE_TIMEOUT, validator=_positive)
     router_stream_idle_timeout: float = attrs.field(default=DEFAULT_STREAM_IDLE_TIMEOUT, validator=_positive)
     #: The router's client connections: the head of a request must arrive within

@@ -51,8 +51,8 @@ from control.placement import (
     place,
 )
 from control.reconcile import Drain, Reconciler, Start, Stop
-from control.router import ModelRoutes, Upstream
 from control.transport import ServerLimits, ServerTLS, StreamServer
+from router.server import ModelRoutes, Upstream
 
 log = logging.getLogger("llmgw.control")
 State = schema.ShardState
@@ -696,7 +696,7 @@ class ControlPlane:
 
     async def run(self, *, task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED) -> None:
         from control.api import serve_api
-        from control.router import Router
+        from router.server import Router
 
         self.build_routes()
         router = Router(

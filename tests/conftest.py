@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
-from control import relay
 from control.transport import ServerLimits, StreamServer
+from router import relay
 from tests.wirepeers import echo_handler
 
 
@@ -22,13 +22,13 @@ async def echo_server(nursery: trio.Nursery) -> AsyncIterator[tuple[StreamServer
 
 @pytest.fixture(params=["native", "python"])
 def relay_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test once per relay pump (``control.relay``), with ``LLMGW_RELAY`` set to match, so
+    """Runs a test once per relay pump (``router.relay``), with ``LLMGW_RELAY`` set to match, so
     that routers the test builds use that pump. Where the native pump was not built (no C
     compiler) its run is skipped, saying so, unless ``LLMGW_REQUIRE_NATIVE_PUMP`` is set (CI)."""
     kind = str(request.param)
     if kind == "native" and not relay.NATIVE_AVAILABLE:
         if os.environ.get("LLMGW_REQUIRE_NATIVE_PUMP"):
-            pytest.fail("the native relay pump (control/_pump.c) was not built")
+            pytest.fail("the native relay pump (router/_pump.c) was not built")
         pytest.skip("the native relay pump was not built here (no C compiler)")
     monkeypatch.setenv("LLMGW_RELAY", kind)
     return kind

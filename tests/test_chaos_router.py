@@ -1,7 +1,7 @@
 """Chaos: a ready engine is SIGSTOPped under a streaming load, behind a router-only process.
 
 Two ``python -m agent.engines.sim`` engines (vLLM's flags) serve one model behind
-``python -m control.router --static ...`` with short timeouts; worker threads keep a streaming
+``python -m router --static ...`` with short timeouts; worker threads keep a streaming
 load on it with the ``openai`` client. One engine is then stopped (SIGSTOP): a hung process that
 still holds its sockets, which the kernel keeps accepting connections for. What must hold: each
 request hit by the stop ends within the timeouts, as a 504 or with the stream's error event, never
@@ -82,7 +82,7 @@ def one_request(client: openai.OpenAI, prompt: str, mid_stream: dict[str, thread
 
 def start_router(tmp: Path, engines: list[Engine]) -> tuple[subprocess.Popen[bytes], str]:
     log = tmp / "router.log"
-    argv = [sys.executable, "-m", "control.router", "--port", "0"]
+    argv = [sys.executable, "-m", "router", "--port", "0"]
     for engine in engines:
         argv += ["--static", f"{MODEL}={engine.url}"]
     argv += ["--response-timeout", str(RESPONSE_TIMEOUT), "--stream-idle-timeout", str(IDLE_TIMEOUT)]

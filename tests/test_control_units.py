@@ -181,7 +181,7 @@ def test_config_defaults_and_router_only() -> None:
 
 
 def test_router_coalescing_is_checked_and_reaches_the_pump() -> None:
-    from control.router import Router
+    from router.server import Router
 
     assert parse("").router_coalesce_us == 500
     with pytest.raises(ConfigError, match=r"router_coalesce_us must be 0 to 100000 .*got -1"):

@@ -1,7 +1,7 @@
 """The relay pumps on socket pairs: the ends of a body, back-pressure, and withdrawal.
 
 An engine side and a client side are each a ``socket.socketpair``; the test plays both peers.
-Every test runs against both pumps, the native thread and the Python loop (``control.relay``).
+Every test runs against both pumps, the native thread and the Python loop (``router.relay``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 import trio
 import trio.testing
 
-from control import relay as relay_module
-from control.relay import ClientGone, EngineClosed, Pump, make_pump
-from control.router import ChunkedScanner
+from router import relay as relay_module
+from router.relay import ClientGone, EngineClosed, Pump, make_pump
+from router.server import ChunkedScanner
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ async def test_cancelling_a_relay_withdraws_it(
 
 
 async def test_a_stopping_pump_fails_parked_relays(make: Callable[[], Pump]) -> None:
-    from control.relay import RelayClosed
+    from router.relay import RelayClosed
 
     engine, up = socket.socketpair()
     down, client = socket.socketpair()
@@ -330,7 +330,7 @@ def test_the_router_refuses_an_unknown_pump_by_name() -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "control.router", "--static", "m=http://127.0.0.1:9", "--port", "0"],
+        [sys.executable, "-m", "router", "--static", "m=http://127.0.0.1:9", "--port", "0"],
         env={**os.environ, "LLMGW_RELAY": "fast"},
         capture_output=True,
         text=True,
@@ -348,7 +348,7 @@ def native_pump() -> relay_module.NativeRelayPump:
     """The native pump, which alone relays heads; failing in CI where it must be built."""
     if not relay_module.NATIVE_AVAILABLE:
         if os.environ.get("LLMGW_REQUIRE_NATIVE_PUMP"):
-            pytest.fail("the native relay pump (control/_pump.c) was not built")
+            pytest.fail("the native relay pump (router/_pump.c) was not built")
         pytest.skip("the native relay pump was not built here (no C compiler)")
     pump = make_pump("native")
     assert isinstance(pump, relay_module.NativeRelayPump)
@@ -372,8 +372,8 @@ ENGINE_HEADS = [
 def python_head(block: bytes) -> tuple[bytes, bool] | None:
     """What the router's Python writes for an engine head block, where the pump may take it over:
     a 200 with a chunked body; None where the pump must hand it back."""
-    from control.http1 import status_block
-    from control.router import CHUNKED, HOP_BY_HOP, UpstreamError, parse_response_head
+    from router.http1 import status_block
+    from router.server import CHUNKED, HOP_BY_HOP, UpstreamError, parse_response_head
 
     try:
         parsed = parse_response_head(block + b"\r\n\r\n")
@@ -390,7 +390,7 @@ def python_head(block: bytes) -> tuple[bytes, bool] | None:
 @pytest.mark.parametrize("block", ENGINE_HEADS)
 def test_the_pump_relays_the_engines_usual_heads_as_the_router_would(block: bytes) -> None:
     native_pump()  # skips or fails where it is not built
-    from control import _pump
+    from router import _pump
 
     expected = python_head(block)
     assert expected is not None
@@ -443,7 +443,7 @@ def head_variants(rng: random.Random) -> Iterator[bytes]:
 
 def test_the_pump_relays_a_head_only_as_the_router_would_and_hands_back_the_rest() -> None:
     native_pump()
-    from control import _pump
+    from router import _pump
 
     relayed = 0
     for block in head_variants(random.Random(7)):
@@ -654,7 +654,7 @@ async def test_a_busy_pump_pauses_and_an_idle_one_does_not(
 
 
 async def test_the_relay_counters_reach_metrics(nursery: trio.Nursery, relay_kind: str) -> None:
-    from control.router import Router
+    from router.server import Router
 
     router = Router(dict)
     await nursery.start(router.pump.run)

@@ -28,7 +28,7 @@ import openai
 import pytest
 import trio
 
-from control.router import (
+from router.server import (
     Balancer,
     ChunkedScanner,
     ModelRoutes,
@@ -960,7 +960,7 @@ async def test_metrics_show_the_counters(nursery: trio.Nursery, engines: tuple[E
 
 def test_router_only_process_with_static_routes(engines: tuple[Engine, Engine], tmp_path: Path) -> None:
     log = tmp_path / "router.log"
-    argv = [sys.executable, "-m", "control.router", "--static", f"{MODEL}={engines[0].url}"]
+    argv = [sys.executable, "-m", "router", "--static", f"{MODEL}={engines[0].url}"]
     argv += ["--static", f"{MODEL}={engines[1].url}", "--port", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)

@@ -1,6 +1,6 @@
 """Idle and slow clients cannot pile up on the router, and its /metrics is not open to everyone.
 
-Each test runs a router-only process (``python -m control.router``) with its own flags and talks to
+Each test runs a router-only process (``python -m router``) with its own flags and talks to
 it over real sockets: hundreds of connections that send nothing, connections that send a request
 head a byte at a time (slowloris), keep-alive connections left idle after a response, and more
 connections than the cap. The ``openai`` client is the peer that has to read the cap's 503.
@@ -47,7 +47,7 @@ class RouterProcess:
                 [
                     sys.executable,
                     "-m",
-                    "control.router",
+                    "router",
                     "--static",
                     NO_ENGINE,
                     "--host",
@@ -266,7 +266,7 @@ def test_metrics_answer_loopback_only_without_a_key_and_the_key_holder_with_one(
 
 def test_the_client_limits_are_in_the_config_with_their_defaults_and_checked_at_load() -> None:
     from control.config import ConfigError, parse
-    from control.router import DEFAULT_CLIENT_IDLE_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+    from router.server import DEFAULT_CLIENT_IDLE_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
     endpoints = '[[endpoints]]\nmodel = "m"\nurl = "http://127.0.0.1:9"\n'
     limits = parse(endpoints).router_client_limits

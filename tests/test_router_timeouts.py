@@ -25,7 +25,7 @@ import pytest
 import trio
 
 import control.config
-from control.router import (
+from router.server import (
     Balancer,
     ModelRoutes,
     Router,
@@ -352,7 +352,7 @@ def test_config_keys_and_their_checks() -> None:
     ],
 )
 def test_router_cli_refuses_timeouts_that_are_not_positive(flags: list[str], says: str) -> None:
-    argv = [sys.executable, "-m", "control.router", "--static", f"{MODEL}=http://127.0.0.1:9", *flags]
+    argv = [sys.executable, "-m", "router", "--static", f"{MODEL}=http://127.0.0.1:9", *flags]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 2
     assert says in done.stderr

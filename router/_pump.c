@@ -1,4 +1,4 @@
-/* control._pump: the router's relay pump as a native thread (see control/relay.py).
+/* router._pump: the router's relay pump as a native thread (see router/relay.py).
  *
  * Why native. Relaying one SSE event costs the router a wake-up, a recv, a scan of the chunk-size
  * line and a write. In Python each of those wake-ups also costs a round of trio's scheduler and
@@ -6,7 +6,7 @@
  * the same job without the interpreter: it never takes the GIL, never calls into Python, and
  * touches nothing but the descriptors handed to it and its own job table.
  *
- * Contract with control/relay.py (NativeRelayPump):
+ * Contract with router/relay.py (NativeRelayPump):
  *  - add(up_fd, client_fd, state, remaining, line) hands over the rest of one chunked body. The
  *    job is keyed by up_fd: the engine socket, which the caller keeps open until the job ends.
  *  - respond(up_fd, client_fd, suffix) hands over a whole response, from the engine's head on:
@@ -377,7 +377,7 @@ static const char *const HOP_BY_HOP[] = {
 
 /* The client's response head for the engine's head h[0..n) (status line and header lines, without
  * the blank line), in the one case this thread relays itself: HTTP/1.1 200 with a chunked body and
- * plain header lines. It is what control.router writes for such a head: the status line with the
+ * plain header lines. It is what router.server writes for such a head: the status line with the
  * engine's reason, the engine's headers (names lowercased, values stripped) less the hop-by-hop
  * ones, then the router's suffix. Returns a malloc'd buffer and sets *out_len and *keep (the
  * engine keeps the connection open), or returns NULL for any other head, which then goes to the
@@ -920,11 +920,11 @@ static PyGetSetDef Pump_getset[] = {
 
 static PyTypeObject PumpType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "control._pump.Pump",
+    .tp_name = "router._pump.Pump",
     .tp_basicsize = sizeof(Pump),
     .tp_dealloc = (destructor)Pump_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The relay pump's native thread (see control/relay.py).",
+    .tp_doc = "The relay pump's native thread (see router/relay.py).",
     .tp_methods = Pump_methods,
     .tp_getset = Pump_getset,
     .tp_new = Pump_new,
@@ -951,7 +951,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "control._pump", "The router's relay pump as a native thread.", -1, module_methods,
+    PyModuleDef_HEAD_INIT, "router._pump", "The router's relay pump as a native thread.", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__pump(void) {

@@ -1,7 +1,7 @@
 """The router: an OpenAI-compatible HTTP API that sends traffic straight to the engines.
 
 It is served by the control plane's process (``Router(plane_routes)``) or alone with a static endpoint
-list (``python -m control.router --static MODEL=URL``). Either way it talks only to engine URLs, so
+list (``python -m router --static MODEL=URL``). Either way it talks only to engine URLs, so
 engines keep serving while the agent or the control plane restarts.
 
 Why it is built this way
@@ -14,12 +14,12 @@ ends (``ChunkedScanner``), so no event is decoded, re-encoded or re-framed on th
 
 Cost per token. Everything on the path of a streamed chunk is one readiness wait on the engine's
 socket, one ``recv``, one scan and one ``write`` to the client. Both sides therefore drive sockets
-themselves: the client side is ``control.http1`` (httptools, that is llhttp in C, reads requests;
+themselves: the client side is ``router.http1`` (httptools, that is llhttp in C, reads requests;
 responses are framed there), and the engine side is a small HTTP/1.1 client on plain non-blocking
 sockets with a keep-alive pool (``_Pool``). An ASGI stack and httpx add several task switches and
 copies per chunk; on two cores that is the difference between tens and hundreds of microseconds of
 CPU per relayed chunk. The chunks themselves, and with the native pump the usual response head
-before them (HTTP/1.1 200, chunked), are moved by the relay pump (``control.relay``), so a streamed
+before them (HTTP/1.1 200, chunked), are moved by the relay pump (``router.relay``), so a streamed
 request wakes its task once, when its body has ended (``_respond_whole``).
 
 Choosing a replica (``Balancer``). Least outstanding requests, with prefix affinity: the first
@@ -51,7 +51,7 @@ at once and the request is not retried (its client has waited the whole timeout;
 ``_timed_out``).
 
 Cancellation. The client connection's watcher task waits for the client to hang up
-(``control.http1.ClientConn``); a hang-up during a response means the client left, and the
+(``router.http1.ClientConn``); a hang-up during a response means the client left, and the
 upstream connection is closed at once instead of going back to the pool, which is how an engine
 (vLLM, SGLang, the simulator) learns to stop generating.
 
@@ -94,7 +94,7 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from control.http1 import (
+from router.http1 import (
     LAST_CHUNK,
     ClientConn,
     Request,
@@ -105,7 +105,7 @@ from control.http1 import (
     response_head,
     status_block,
 )
-from control.relay import (
+from router.relay import (
     DEFAULT_COALESCE_US,
     MAX_COALESCE_US,
     RECEIVE_SIZE,
@@ -1136,7 +1136,7 @@ class Router:
     ``relay_coalesce_us`` (the native relay pump's pause after each wake-up, so that the tokens
     one decode step writes to many streams share a wake-up: a token may wait that long, a
     stream's first one included when it comes during a pause; 0 turns it off; see
-    ``control/_pump.c``)."""
+    ``router/_pump.c``)."""
 
     def __init__(
         self,
@@ -1837,7 +1837,7 @@ class Router:
     ) -> bool:
         """The hot path: chunked bytes pass through unchanged. The head goes out at once, with
         whatever part of the body came with it; the rest of the body goes to the relay pump
-        (``control.relay``). An engine sends a stream's head before its first token, so the
+        (``router.relay``). An engine sends a stream's head before its first token, so the
         first token is usually relayed by the pump too: from the pump's thread, which is woken
         by the engine's socket directly, that is sooner than a wake-up through trio's loop, and
         it spares this task one wake-up per request."""
@@ -1902,7 +1902,7 @@ class Router:
 def _whole_engine_chunks() -> bool:
     """Whether a client's chunked body, relayed as it came, ends with a whole chunk now that its
     engine fell silent, where no scanner state is at hand: the native pump's thread keeps its
-    own (``control/_pump.c``) and does not hand it back. Taken as true: engines write each SSE
+    own (``router/_pump.c``) and does not hand it back. Taken as true: engines write each SSE
     event as one chunk in one write, the silence has lasted the whole idle timeout with the
     engine's socket drained and the client's writable, so everything the engine wrote has gone
     through. Should an engine have stopped inside a chunk, the error event lands inside it and
@@ -1930,7 +1930,7 @@ def _classify(exc: OSError | trio.TooSlowError | UpstreamError | EngineFailedEar
 
 
 # ---------------------------------------------------------------------------------------------
-# Router-only runs: python -m control.router --static MODEL=URL
+# Router-only runs: python -m router --static MODEL=URL
 
 
 def _parse_static(values: Sequence[str]) -> list[tuple[str, str]]:
@@ -1945,7 +1945,7 @@ def _parse_static(values: Sequence[str]) -> list[tuple[str, str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m control.router",
+        prog="python -m router",
         description="llmgw's OpenAI-compatible router on a static endpoint list (no control plane).",
     )
     parser.add_argument(

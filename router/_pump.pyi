@@ -1,4 +1,4 @@
-"""Types of the native relay pump (control/_pump.c); see control/relay.py."""
+"""Types of the native relay pump (router/_pump.c); see router/relay.py."""
 
 DONE: int
 ENGINE: int

@@ -28,7 +28,7 @@ then stops reading the engine (its interest moves to the client's socket becomin
 the buffer drains, so memory per stream stays bounded by one ``recv``.
 
 Two implementations, one contract. ``NativeRelayPump`` runs the loop above in a thread of C
-(``control/_pump.c``) that never takes the GIL: a relayed event then costs the router its
+(``router/_pump.c``) that never takes the GIL: a relayed event then costs the router its
 ``epoll_wait``, ``recv`` and ``send`` and nothing of the interpreter's, and the trio side wakes
 once per *ended* body rather than once per event. ``PythonRelayPump`` is the same loop in trio's
 thread, for a build without a C compiler (the extension is optional). ``make_pump`` picks the
@@ -49,14 +49,14 @@ import outcome
 import trio
 
 try:
-    from control import _pump
+    from router import _pump
 except ImportError:  # built without a C compiler: the Python pump serves
     _pump = None  # type: ignore[assignment]
 
 NATIVE_AVAILABLE = _pump is not None
 
 RECEIVE_SIZE = 65536  # per recv, here and in the router
-MAX_COALESCE_US = 100_000  # as control/_pump.c checks
+MAX_COALESCE_US = 100_000  # as router/_pump.c checks
 # The router's default pause: a decode step's tokens for a few dozen streams arrive within about
 # that, and a token delayed by half a millisecond is a few percent of an engine's inter-token
 # latency, and only while the pump is busy (an idle pump relays at once). Measured on the sim
@@ -109,7 +109,7 @@ def make_pump(kind: str | None = None, coalesce_us: int = 0) -> Pump:
     if kind in ("native", "auto"):
         if _pump is None:
             raise RuntimeError(
-                "LLMGW_RELAY=native: the native relay pump (control/_pump.c) was not built; "
+                "LLMGW_RELAY=native: the native relay pump (router/_pump.c) was not built; "
                 "install llmgw where a C compiler is available, or use LLMGW_RELAY=python"
             )
         return NativeRelayPump(coalesce_us)
@@ -167,7 +167,7 @@ class _Job:
 
 
 class NativeRelayPump:
-    """The pump's loop in a C thread (``control/_pump.c``); this side parks the tasks that own
+    """The pump's loop in a C thread (``router/_pump.c``); this side parks the tasks that own
     the bodies and wakes each one when its body ended."""
 
     kind = "native"

@@ -1,0 +1,8 @@
+"""``python -m router``: the router as its own process."""
+
+import sys
+
+from router.server import main
+
+if __name__ == "__main__":
+    sys.exit(main())
