@@ -46,7 +46,7 @@ import attrs
 import httpx
 import trio
 
-from router.server import CHUNKED, LENGTH, ChunkedScanner, parse_response_head
+from router.framing import CHUNKED, LENGTH, ChunkedScanner, parse_response_head
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench"

@@ -94,6 +94,19 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
+from router.framing import (
+    CHUNKED,
+    LENGTH,
+    NO_BODY,
+    UNTIL_CLOSE,
+    ChunkedScanner,
+    ResponseHead,
+    UpstreamError,
+    parse_response_head,
+)
+from router.framing import (
+    UpstreamBroken as _UpstreamBroken,
+)
 from router.http1 import (
     LAST_CHUNK,
     ClientConn,
@@ -121,7 +134,6 @@ from router.relay import (
 
 log = logging.getLogger("llmgw.router")
 
-MAX_HEAD_BYTES = 64 * 1024
 
 CHAT = b"/v1/chat/completions"
 COMPLETIONS = b"/v1/completions"
@@ -191,21 +203,8 @@ class RouterError(Exception):
         return json.dumps(doc).encode()
 
 
-class UpstreamError(Exception):
-    """The engine failed before a response byte reached the client; ``kind`` labels the metric."""
-
-    def __init__(self, kind: str, message: str, *, got_bytes: bool = False) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.got_bytes = got_bytes
-
-
 class _ClientGone(Exception):
     """The client's connection closed or broke while its response was being produced."""
-
-
-class _UpstreamBroken(Exception):
-    """The engine's connection broke after part of the response had been relayed."""
 
 
 def static_routes(endpoints: Sequence[tuple[str, str]]) -> RoutesFn:
@@ -436,177 +435,6 @@ class Balancer:
             h = self.health[url]
             if h.outstanding == 0 and h.ejected_until <= now:
                 del self.health[url]
-
-
-# ---------------------------------------------------------------------------------------------
-# HTTP/1.1 response parsing (sans-IO)
-
-NO_BODY = "none"
-CHUNKED = "chunked"
-LENGTH = "length"
-UNTIL_CLOSE = "close"
-
-
-@attrs.frozen
-class ResponseHead:
-    status: int
-    reason: bytes
-    headers: list[tuple[bytes, bytes]]
-    framing: str
-    length: int
-    keep_alive: bool
-
-
-def parse_response_head(buf: bytes | bytearray) -> tuple[ResponseHead, int] | None:
-    """Parse a response head from the start of ``buf``: ``(head, bytes used)``, or None when more
-    bytes are needed. Interim 1xx responses are returned too; the caller skips them."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        if len(buf) > MAX_HEAD_BYTES:
-            raise UpstreamError("protocol", f"response head over {MAX_HEAD_BYTES} bytes")
-        return None
-    block = bytes(buf[:end])
-    if (
-        b"\0" in block
-        or block.count(b"\n") != block.count(b"\r\n")
-        or block.count(b"\r") != block.count(b"\n")
-    ):
-        # Relayed headers go to the client as they are: a bare CR or LF would split them there.
-        raise UpstreamError("protocol", "response head with a bare CR, LF or NUL")
-    lines = block.split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    code, _, reason = rest.partition(b" ")
-    if not version.startswith(b"HTTP/1.") or not code.isdigit():
-        raise UpstreamError("protocol", f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-    status = int(code)
-    headers: list[tuple[bytes, bytes]] = []
-    chunked = False
-    length = -1
-    close = version == b"HTTP/1.0"
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            raise UpstreamError("protocol", f"malformed header line {line[:80]!r}")
-        name = name.strip().lower()
-        value = value.strip()
-        headers.append((name, value))
-        if name == b"transfer-encoding":
-            chunked = value.lower().endswith(b"chunked")
-        elif name == b"content-length":
-            if not value.isdigit():
-                raise UpstreamError("protocol", f"bad content-length {value[:40]!r}")
-            length = int(value)
-        elif name == b"connection":
-            tokens = {t.strip().lower() for t in value.split(b",")}
-            if b"close" in tokens:
-                close = True
-            elif b"keep-alive" in tokens:
-                close = False
-    if status < 200 or status in (204, 304):
-        framing = NO_BODY
-    elif chunked:
-        framing = CHUNKED
-    elif length >= 0:
-        framing = LENGTH if length else NO_BODY
-    else:
-        framing, close = UNTIL_CLOSE, True
-    head = ResponseHead(status, reason, headers, framing, max(length, 0), not close)
-    return head, end + 4
-
-
-class ChunkedScanner:
-    """Finds where a chunked body ends, without copying or decoding it.
-
-    ``feed(data)`` returns how many bytes of ``data`` belong to the body (all of it until the last
-    chunk and trailers arrive); ``done`` turns true at the end. With ``decode=True`` the chunk
-    payloads are also collected in ``payloads`` (for clients that cannot take chunked framing)."""
-
-    _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
-
-    def __init__(self, *, decode: bool = False) -> None:
-        self.decode = decode
-        self.payloads: list[bytes] = []
-        self._state = self._SIZE
-        self._remaining = 0
-        self._line = b""
-
-    @property
-    def done(self) -> bool:
-        return self._state == self._DONE
-
-    def snapshot(self) -> tuple[int, int, bytes]:
-        """(state, bytes left in the chunk or its CRLF, partial line): what the native relay pump
-        takes over to go on scanning where this left off."""
-        return self._state, self._remaining, self._line
-
-    @property
-    def at_chunk_end(self) -> bool:
-        """What was fed so far ends with a whole chunk: another chunk may follow it."""
-        return self._state == self._SIZE and not self._line
-
-    def feed(self, data: bytes) -> int:
-        i, n = 0, len(data)
-        while i < n:
-            state = self._state
-            if state == self._SIZE and not self._line:
-                # Fast path, the usual case: a whole size line and often the whole chunk is here.
-                nl = data.find(b"\n", i)
-                if nl < 0:
-                    self._line = data[i:]
-                    return n
-                size = self._size(data[i:nl])
-                i = nl + 1
-                if not size:
-                    self._state = self._TRAILER
-                elif i + size + 2 <= n and not self.decode:
-                    i += size + 2  # the payload and its CRLF, skipped in one step
-                else:
-                    self._state, self._remaining = self._DATA, size
-            elif state == self._DATA:
-                take = min(self._remaining, n - i)
-                if self.decode:
-                    self.payloads.append(data[i : i + take])
-                i += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._state, self._remaining = self._CRLF, 2
-            elif state == self._CRLF:
-                take = min(self._remaining, n - i)
-                i += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._state = self._SIZE
-            elif state == self._DONE:
-                return i
-            else:  # a size line split across reads, or a trailer line
-                nl = data.find(b"\n", i)
-                if nl < 0:
-                    self._line += data[i:]
-                    if len(self._line) > 4096:
-                        raise _UpstreamBroken("chunk header line too long")
-                    return n
-                line = self._line + data[i:nl]
-                self._line = b""
-                i = nl + 1
-                if state == self._SIZE:
-                    size = self._size(line)
-                    if size:
-                        self._state, self._remaining = self._DATA, size
-                    else:
-                        self._state = self._TRAILER
-                elif not line.strip():  # the empty line after the (usually absent) trailers
-                    self._state = self._DONE
-                    return i
-        return i
-
-    @staticmethod
-    def _size(line: bytes) -> int:
-        if b";" in line:
-            line = line.split(b";", 1)[0]
-        try:
-            return int(line, 16)  # int() takes bytes and ignores the \r and spaces around the digits
-        except ValueError:
-            raise _UpstreamBroken(f"bad chunk size {line[:20]!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import trio
 import trio.testing
 
 from router import relay as relay_module
+from router.framing import ChunkedScanner
 from router.relay import ClientGone, EngineClosed, Pump, make_pump
-from router.server import ChunkedScanner
 
 
 @pytest.fixture
@@ -372,8 +372,9 @@ ENGINE_HEADS = [
 def python_head(block: bytes) -> tuple[bytes, bool] | None:
     """What the router's Python writes for an engine head block, where the pump may take it over:
     a 200 with a chunked body; None where the pump must hand it back."""
+    from router.framing import CHUNKED, UpstreamError, parse_response_head
     from router.http1 import status_block
-    from router.server import CHUNKED, HOP_BY_HOP, UpstreamError, parse_response_head
+    from router.server import HOP_BY_HOP
 
     try:
         parsed = parse_response_head(block + b"\r\n\r\n")
