@@ -52,7 +52,7 @@ from control.placement import (
 )
 from control.reconcile import Drain, Reconciler, Start, Stop
 from control.transport import ServerLimits, ServerTLS, StreamServer
-from router.server import ModelRoutes, Upstream
+from router.routes import ModelRoutes, Upstream
 
 log = logging.getLogger("llmgw.control")
 State = schema.ShardState

@@ -87,9 +87,7 @@ import termios
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, NoReturn, cast
-from urllib.parse import urlsplit
 
 import attrs
 import trio
@@ -131,6 +129,7 @@ from router.relay import (
     Response,
     make_pump,
 )
+from router.routes import ModelRoutes, RoutesFn, Target, Upstream, parse_url, static_routes
 
 log = logging.getLogger("llmgw.router")
 
@@ -166,28 +165,6 @@ FORWARDED_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"x-request-i
 # Values
 
 
-@attrs.frozen
-class Upstream:
-    """One ready engine replica that serves a model."""
-
-    replica_id: str
-    url: str  # engine base URL, e.g. "http://127.0.0.1:8000"
-    #: The engine's own key (its shard's), sent upstream as ``Authorization: Bearer`` in place of
-    #: anything the client sent; empty for an engine without one. Never in a repr (logs).
-    api_key: str = attrs.field(default="", repr=False)
-
-
-@attrs.frozen
-class ModelRoutes:
-    """Where a served model name goes now: its READY replicas, or why there are none."""
-
-    upstreams: tuple[Upstream, ...]  # READY replicas only (the control plane filters draining/failed)
-    reason: str = ""  # when empty of upstreams: why (from placement), for the 503 message
-
-
-RoutesFn = Callable[[], Mapping[str, ModelRoutes]]
-
-
 class RouterError(Exception):
     """A request the router answers itself, with an OpenAI-shaped error body."""
 
@@ -205,54 +182,6 @@ class RouterError(Exception):
 
 class _ClientGone(Exception):
     """The client's connection closed or broke while its response was being produced."""
-
-
-def static_routes(endpoints: Sequence[tuple[str, str]]) -> RoutesFn:
-    """Routes for router-only runs: ``[(model, url), ...]``; a model named twice has two replicas
-    (``MODEL-r0``, ``MODEL-r1``, as the control plane names them). URLs are checked now, so a typo
-    fails at start with its text rather than at the first request."""
-    by_model: dict[str, list[Upstream]] = {}
-    for model, url in endpoints:
-        if not model:
-            raise ValueError(f"static route {url!r}: empty model name")
-        parse_url(url)
-        ups = by_model.setdefault(model, [])
-        ups.append(Upstream(replica_id=f"{model}-r{len(ups)}", url=url.rstrip("/")))
-    table: Mapping[str, ModelRoutes] = MappingProxyType(
-        {m: ModelRoutes(upstreams=tuple(ups)) for m, ups in by_model.items()}
-    )
-
-    def routes() -> Mapping[str, ModelRoutes]:
-        return table
-
-    return routes
-
-
-@attrs.frozen
-class Target:
-    """Where an upstream URL's requests go: address, Host header and path prefix."""
-
-    host: str
-    port: int
-    host_header: bytes
-    base_path: bytes
-
-
-def parse_url(url: str) -> Target:
-    """``http://host:port[/prefix]``. Only plain HTTP: engines listen on the node's management
-    address without TLS, and the relay writes to raw sockets."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"upstream URL {url!r}: expected http://HOST:PORT (plain HTTP)")
-    try:
-        port = parts.port or 80
-    except ValueError as exc:
-        raise ValueError(f"upstream URL {url!r}: {exc}") from exc
-    host_header = parts.netloc.rsplit("@", 1)[-1]
-    base = parts.path.rstrip("/")
-    if base.endswith("/v1"):  # "http://host:8000/v1" is how clients are usually configured
-        base = base[:-3]
-    return Target(parts.hostname, port, host_header.encode(), base.encode())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from agent.supervise import procfs
 from agent.supervise.supervisor import engine_environment, redact_argv
 from control.config import parse
 from control.plane import SHARD_KEY_SECRET, ControlPlane, load_shard_key_secret, shard_key
-from router.server import ModelRoutes, Router, Upstream
+from router.routes import ModelRoutes, Upstream
+from router.server import Router
 from tests.fleet_procs import Agent, ControlProcess, free_port, poll
 from tests.test_supervisor import end_engines, make_supervisor, sim_spec, wait_state
 

@@ -28,17 +28,14 @@ import openai
 import pytest
 import trio
 
+from router.framing import ChunkedScanner, parse_response_head
+from router.routes import ModelRoutes, Upstream, static_routes
 from router.server import (
     Balancer,
-    ChunkedScanner,
-    ModelRoutes,
     Router,
-    Upstream,
     _digest,
     _score,
     affinity_key,
-    parse_response_head,
-    static_routes,
 )
 
 REPO = Path(__file__).resolve().parent.parent

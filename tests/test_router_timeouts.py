@@ -25,11 +25,10 @@ import pytest
 import trio
 
 import control.config
+from router.routes import ModelRoutes, Upstream
 from router.server import (
     Balancer,
-    ModelRoutes,
     Router,
-    Upstream,
     _digest,
     _score,
     affinity_key,
