@@ -105,7 +105,7 @@ def typecheck(session: nox.Session) -> None:
 def proto(session: nox.Session) -> None:
     """Regenerate schema/gen from schema/llmgw/v1/*.proto (commit the result)."""
     session.install("-e", ".[dev]")
-    session.run("python", "-m", "schema.protogen")
+    session.run("python", "-m", "tools.protogen")
 
 
 @nox.session(python="3.11")

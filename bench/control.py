@@ -156,7 +156,7 @@ async def _load(url: str, count: int) -> None:
 
 async def _ping_rtts(port: int, seconds: float) -> list[float]:
     """h2 PING round trips on a connection of its own, every 50 ms for ``seconds``."""
-    from schema.h2io import H2Transport
+    from transport.h2io import H2Transport
 
     sock = await trio.open_tcp_stream("127.0.0.1", port)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))

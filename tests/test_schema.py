@@ -22,7 +22,7 @@ from schema.rpc import (
 
 def test_generated_messages_are_fresh() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "schema.protogen", "--check"], capture_output=True, text=True
+        [sys.executable, "-m", "tools.protogen", "--check"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
 

@@ -2,7 +2,8 @@
 
 from agent.transport.client import AgentStream, StreamOptions, open_stream
 from agent.transport.tls import ClientTLS
-from schema.h2io import (
+from schema.rpc import Code, RpcError
+from transport.h2io import (
     ConnectionLost,
     GoAwayReceived,
     PeerUnresponsive,
@@ -10,7 +11,6 @@ from schema.h2io import (
     StreamReset,
     TransportError,
 )
-from schema.rpc import Code, RpcError
 
 __all__ = [
     "AgentStream",

@@ -1,7 +1,7 @@
 """The agent's end of the stream: ``open_stream(url)`` for gRPC, Connect or WebSocket, with TLS.
 
 httpx cannot do full-duplex HTTP/2 and drops trailers, so the HTTP/2 client drives ``h2`` over a trio
-stream itself (the connection plumbing shared with the server lives in :mod:`schema.h2io`). The URL
+stream itself (the connection plumbing shared with the server lives in :mod:`transport.h2io`). The URL
 scheme picks the carrier:
 
 - ``http://host:port``: HTTP/2 cleartext with prior knowledge (h2c; no HTTP/1.1 upgrade dance);
@@ -16,7 +16,7 @@ the node's metadata nor its Register. What answered instead names the likely mis
 
 Whatever carries it, the caller gets an :class:`AgentStream`: ``send`` an ``AgentMessage``, ``receive``
 ``ControlMessage`` values until ``None`` (the server ended the stream with OK). Every failure is a typed
-exception: :class:`schema.rpc.RpcError` for a status the server sent, :class:`schema.h2io.TransportError`
+exception: :class:`schema.rpc.RpcError` for a status the server sent, :class:`transport.h2io.TransportError`
 subclasses for the connection (``ConnectionLost``, ``PeerUnresponsive``, ``GoAwayReceived``,
 ``StreamReset``). Background tasks never raise into the caller's body; they record the error, and the
 next ``send`` or ``receive`` raises it, so a session sees every failure in the one place it waits.
@@ -46,7 +46,14 @@ import schema
 from agent import __version__
 from agent.transport.tls import ClientTLS
 from schema import framing
-from schema.h2io import (
+from schema.rpc import (
+    Code,
+    RpcError,
+    decode_connect_end_stream,
+    decode_grpc_message,
+    http_status_to_code,
+)
+from transport.h2io import (
     ConnectionLost,
     GoAwayReceived,
     H2Stream,
@@ -54,13 +61,6 @@ from schema.h2io import (
     PeerUnresponsive,
     TransportError,
     peer_text,
-)
-from schema.rpc import (
-    Code,
-    RpcError,
-    decode_connect_end_stream,
-    decode_grpc_message,
-    http_status_to_code,
 )
 
 log = logging.getLogger("llmgw.agent.transport")

@@ -46,8 +46,8 @@ import schema
 from control.transport.bursts import BurstLog
 from schema import framing
 from schema.fastpath import decode_agent_message
-from schema.h2io import H2Stream, H2Transport, StalledMessage, TransportError, peer_text
 from schema.rpc import Code, RpcError, encode_connect_end_stream, encode_grpc_message
+from transport.h2io import H2Stream, H2Transport, StalledMessage, TransportError, peer_text
 
 log = logging.getLogger("llmgw.control.transport")
 

@@ -1,7 +1,7 @@
 """Regenerate the committed Python messages from ``schema/llmgw/v1/*.proto``.
 
 The generated code is committed so that installing llmgw needs neither protoc nor the betterproto2
-compiler; ``nox -s proto`` runs this module, and a test runs it into a scratch folder and fails when the
+compiler; ``nox -s proto`` runs this module (``python -m tools.protogen``), and a test runs it into a scratch folder and fails when the
 committed copy differs (a stale contract is worse than none).
 
 Messages only: the transport is ours (h2 and trio), so no client or server stubs are generated.
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCHEMA_DIR = Path(__file__).resolve().parent
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schema"
 PROTO_FILES = sorted(str(p) for p in (SCHEMA_DIR / "llmgw").rglob("*.proto"))
 GENERATED_DIR = SCHEMA_DIR / "gen"
 
@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         generate(fresh)
         if args.check:
             if generated_files(fresh) != generated_files(GENERATED_DIR):
-                print("schema/gen is stale: run `nox -s proto` and commit the result", file=sys.stderr)
+                print(
+                    "schema/gen is stale: run `nox -s proto` (python -m tools.protogen) and commit the result",
+                    file=sys.stderr,
+                )
                 return 1
             return 0
         shutil.rmtree(GENERATED_DIR, ignore_errors=True)

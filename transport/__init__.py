@@ -1,0 +1,6 @@
+"""The HTTP/2 (gRPC, Connect) stream machinery that the agent, the control plane and the router share.
+
+``schema`` is the wire contract (messages, envelope codec, status vocabulary) and stays pure; the
+sockets, trio and h2 driving live here: :mod:`transport.h2io` is the connection and stream plumbing
+both ends use, :mod:`transport.client` a small server-streaming RPC client (the router's route watch).
+"""
