@@ -94,15 +94,14 @@ from cattrs.v import format_exception
 
 import schema
 from control.placement import engine_constraint
-from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
-from router.server import (
+from router.limits import (
     DEFAULT_CLIENT_IDLE_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_RESPONSE_TIMEOUT,
-    DEFAULT_STREAM_IDLE_TIMEOUT,
     ClientLimits,
 )
+from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
+from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
 
 
 class ConfigError(Exception):

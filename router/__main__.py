@@ -2,7 +2,7 @@
 
 import sys
 
-from router.server import main
+from router.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

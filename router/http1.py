@@ -7,7 +7,7 @@ busy machine that code runs cold. h11 cost about 200 us (cold) to read a request
 frame a response head, a third of what the router added. httptools is llhttp (Node's parser, in
 C) behind a callback interface: the request line, headers and body (content-length or chunked) are
 parsed in C and reach Python as one call per header. Framing a response is string formatting:
-the status line, headers the router chose or relayed (``router.server.parse_response_head``
+the status line, headers the router chose or relayed (``router.framing.parse_response_head``
 already refused engine headers with bare CR or LF), and the body's framing, which depends only on
 the client's HTTP version.
 

@@ -16,7 +16,7 @@ Cost per token. Everything on the path of a streamed chunk is one readiness wait
 socket, one ``recv``, one scan and one ``write`` to the client. Both sides therefore drive sockets
 themselves: the client side is ``router.http1`` (httptools, that is llhttp in C, reads requests;
 responses are framed there), and the engine side is a small HTTP/1.1 client on plain non-blocking
-sockets with a keep-alive pool (``_Pool``). An ASGI stack and httpx add several task switches and
+sockets with a keep-alive pool (``router.pool``). An ASGI stack and httpx add several task switches and
 copies per chunk; on two cores that is the difference between tens and hundreds of microseconds of
 CPU per relayed chunk. The chunks themselves, and with the native pump the usual response head
 before them (HTTP/1.1 200, chunked), are moved by the relay pump (``router.relay``), so a streamed
@@ -68,30 +68,19 @@ No global state: every counter, pool and table belongs to one ``Router``.
 
 from __future__ import annotations
 
-import argparse
-import errno
-import fcntl
-import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
-import random
-import resource
-import select
-import socket
-import struct
-import sys
-import termios
 import time
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NoReturn, cast
+from collections.abc import Callable
+from typing import NoReturn, cast
 
 import attrs
 import trio
 
+from router.balancer import Balancer, affinity_key, prefix_digest
 from router.framing import (
     CHUNKED,
     LENGTH,
@@ -116,20 +105,31 @@ from router.http1 import (
     response_head,
     status_block,
 )
+from router.limits import ClientLimits, connection_cap
+from router.metrics import Metrics
+from router.pool import Pool
 from router.relay import (
     DEFAULT_COALESCE_US,
-    MAX_COALESCE_US,
     RECEIVE_SIZE,
     ClientGone,
     EngineClosed,
     EngineFailedEarly,
     NativeRelayPump,
-    Pump,
     RelayClosed,
     Response,
     make_pump,
 )
-from router.routes import ModelRoutes, RoutesFn, Target, Upstream, parse_url, static_routes
+from router.routes import ModelRoutes, RoutesFn, Target, Upstream
+from router.stalls import (
+    DEFAULT_RESPONSE_TIMEOUT,
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    Watch,
+    stall,
+    tcp_progress,
+    unread,
+    writable,
+)
+from router.upstream import UpstreamConn
 
 log = logging.getLogger("llmgw.router")
 
@@ -182,669 +182,6 @@ class RouterError(Exception):
 
 class _ClientGone(Exception):
     """The client's connection closed or broke while its response was being produced."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompt prefix (affinity key)
-
-
-def affinity_key(doc: Mapping[str, Any], limit: int) -> str:
-    """The first ``limit`` characters of what the engine will see first: the chat messages (role
-    and text parts), or ``prompt``, or ``input``. Shared system prompts and few-shot preambles make
-    this the part an engine's prefix cache can reuse."""
-    parts: list[str] = []
-    size = 0
-
-    def add(text: str) -> bool:
-        nonlocal size
-        parts.append(text)
-        size += len(text)
-        return size >= limit
-
-    messages = doc.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            if add(f"{message.get('role', '')}\x00"):
-                break
-            content = message.get("content")
-            if isinstance(content, str):
-                if add(content + "\x00"):
-                    break
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str) and add(part["text"]):
-                        break
-                if size >= limit:
-                    break
-    else:
-        prompt = doc.get("prompt", doc.get("input"))
-        if isinstance(prompt, str):
-            add(prompt)
-        elif isinstance(prompt, list) and prompt:
-            first = prompt[0]
-            if isinstance(first, str):
-                add(first)
-            elif isinstance(first, int):  # token ids
-                add(" ".join(str(t) for t in prompt[:limit] if isinstance(t, int)))
-            elif isinstance(first, list):  # a batch of token id lists
-                add(" ".join(str(t) for t in first[:limit] if isinstance(t, int)))
-    return "".join(parts)[:limit]
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode(), digest_size=8).digest()
-
-
-def _score(digest: bytes, url: str) -> int:
-    """Rendezvous weight of ``url`` for a prefix: a stable hash (not Python's salted ``hash``), so
-    that several router processes send the same prefix to the same engine."""
-    return int.from_bytes(hashlib.blake2b(digest + url.encode(), digest_size=8).digest(), "big")
-
-
-# ---------------------------------------------------------------------------------------------
-# Balancing and ejection: pure, clock passed in
-
-
-@attrs.define
-class Health:
-    """What the router knows about one engine URL."""
-
-    replica_id: str
-    outstanding: int = 0
-    failures: int = 0  # consecutive failures since the last success or ejection
-    ejections: int = 0  # consecutive ejections without a success in between
-    ejected_until: float = 0.0
-    last_error: str = ""
-
-
-class Balancer:
-    """Least outstanding with prefix affinity, and outlier ejection (rules in the module docstring).
-
-    State is keyed by URL, not replica id: load and health belong to the engine process listening
-    there, and one engine serving two model names must count its load once."""
-
-    def __init__(
-        self,
-        *,
-        affinity_slack: int = 4,
-        eject_after: int = 3,
-        eject_base: float = 10.0,
-        eject_max: float = 300.0,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.affinity_slack = affinity_slack
-        self.eject_after = eject_after
-        self.eject_base = eject_base
-        self.eject_max = eject_max
-        self.health: dict[str, Health] = {}
-        self._rng = rng or random.Random()
-
-    def _get(self, upstream: Upstream) -> Health:
-        h = self.health.get(upstream.url)
-        if h is None:
-            h = self.health[upstream.url] = Health(upstream.replica_id)
-        else:
-            h.replica_id = upstream.replica_id
-        return h
-
-    def outstanding(self, url: str) -> int:
-        h = self.health.get(url)
-        return h.outstanding if h else 0
-
-    def is_ejected(self, url: str, now: float) -> bool:
-        h = self.health.get(url)
-        return h is not None and h.ejected_until > now
-
-    def choose(
-        self,
-        upstreams: Sequence[Upstream],
-        digest: bytes | None,
-        now: float,
-        exclude: Iterable[str] = (),
-    ) -> Upstream | None:
-        """The upstream for the next attempt, or None when every one is excluded (already tried)."""
-        skip = set(exclude)
-        candidates = [u for u in upstreams if u.url not in skip]
-        if not candidates:
-            return None
-        healthy = [u for u in candidates if not self.is_ejected(u.url, now)]
-        pool = healthy or candidates
-        if len(pool) == 1:
-            return pool[0]
-        loads = [self.outstanding(u.url) for u in pool]
-        low = min(loads)
-        if digest is not None:
-            ranked = sorted(
-                zip(pool, loads, strict=True), key=lambda p: _score(digest, p[0].url), reverse=True
-            )
-            for upstream, load in ranked:
-                if load <= low + self.affinity_slack:
-                    return upstream
-        least = [u for u, load in zip(pool, loads, strict=True) if load == low]
-        return least[0] if len(least) == 1 else self._rng.choice(least)
-
-    def begin(self, upstream: Upstream) -> None:
-        self._get(upstream).outstanding += 1
-
-    def end(self, upstream: Upstream) -> None:
-        self._get(upstream).outstanding -= 1
-
-    def succeeded(self, upstream: Upstream) -> None:
-        h = self._get(upstream)
-        h.failures = 0
-        h.ejections = 0
-
-    def failed(self, upstream: Upstream, now: float, error: str, *, at_once: bool = False) -> float | None:
-        """Record a failure; returns the ejection's length in seconds when this one ejects it.
-        ``at_once``: a failure that ejects without waiting for ``eject_after`` of them (a timeout:
-        the next request sent there would wait as long).
-
-        Failures of requests that were already in flight when the upstream was ejected do not
-        count again: a burst against a dead engine is one ejection, not an escalating series."""
-        h = self._get(upstream)
-        h.last_error = error
-        if h.ejected_until > now:
-            return None
-        h.failures += 1
-        threshold = 1 if h.ejections or at_once else self.eject_after
-        if h.failures < threshold:
-            return None
-        h.ejections += 1
-        h.failures = 0
-        seconds = min(self.eject_base * 2.0 ** (h.ejections - 1), self.eject_max)
-        h.ejected_until = now + seconds
-        return seconds
-
-    def prune(self, live: set[str], now: float) -> None:
-        """Forget URLs no model routes to any more, once nothing is in flight on them and no
-        ejection is pending (a replica that comes back on the same URL inherits its ejection)."""
-        for url in [u for u, h in self.health.items() if u not in live]:
-            h = self.health[url]
-            if h.outstanding == 0 and h.ejected_until <= now:
-                del self.health[url]
-
-
-# ---------------------------------------------------------------------------------------------
-# Upstream connections
-
-
-class _UpstreamConn:
-    """One keep-alive connection to an engine, on a plain non-blocking socket.
-
-    Each call that may block waits on readiness with trio (a checkpoint, so cancellation works)
-    and then does one system call; this is the leanest loop trio allows."""
-
-    __slots__ = ("idle_since", "sock", "url")
-
-    def __init__(self, sock: socket.socket, url: str) -> None:
-        self.sock = sock
-        self.url = url
-        self.idle_since = 0.0
-
-    async def send_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                sent = self.sock.send(view)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(self.sock)
-                continue
-            view = view[sent:]
-
-    def recv_nowait(self) -> bytes | None:
-        """What has arrived, without waiting (None: nothing yet). On a busy machine the engine has
-        often answered by the time this process gets a CPU back after sending; reading at once
-        then saves a trip through the scheduler on the path to the first byte."""
-        try:
-            return self.sock.recv(RECEIVE_SIZE)
-        except BlockingIOError:
-            return None
-
-    async def recv(self) -> bytes:
-        while True:
-            await trio.lowlevel.wait_readable(self.sock)
-            try:
-                return self.sock.recv(RECEIVE_SIZE)
-            except BlockingIOError:
-                continue
-
-    def looks_alive(self) -> bool:
-        """An idle keep-alive connection has nothing to read; end of file (the engine's idle
-        timeout) or stray bytes both mean it cannot carry another request."""
-        try:
-            self.sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return False
-
-    def close(self) -> None:
-        trio.lowlevel.notify_closing(self.sock)
-        self.sock.close()
-
-
-class _Pool:
-    """Idle keep-alive connections per upstream URL, most recently used first (a warm one is
-    least likely to have hit the engine's idle timeout)."""
-
-    def __init__(self, *, max_idle: int, idle_timeout: float, connect_timeout: float) -> None:
-        self.max_idle = max_idle
-        self.idle_timeout = idle_timeout
-        self.connect_timeout = connect_timeout
-        self.idle: dict[str, list[_UpstreamConn]] = {}
-        self.targets: dict[str, Target] = {}
-
-    def target(self, url: str) -> Target:
-        t = self.targets.get(url)
-        if t is None:
-            t = self.targets[url] = parse_url(url)
-        return t
-
-    def take_idle(self, url: str, now: float) -> _UpstreamConn | None:
-        stack = self.idle.get(url)
-        while stack:
-            conn = stack.pop()
-            if now - conn.idle_since < self.idle_timeout and conn.looks_alive():
-                return conn
-            conn.close()
-        return None
-
-    async def connect(self, url: str) -> _UpstreamConn:
-        target = self.target(url)
-        with trio.fail_after(self.connect_timeout):
-            infos = await trio.socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-            error: OSError | None = None
-            for family, type_, proto, _, addr in infos:
-                sock = socket.socket(family, type_, proto)
-                try:
-                    sock.setblocking(False)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    code = sock.connect_ex(addr)
-                    if code == errno.EINPROGRESS:
-                        await trio.lowlevel.wait_writable(sock)
-                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                    if code:
-                        raise OSError(code, os.strerror(code))
-                except OSError as exc:
-                    trio.lowlevel.notify_closing(sock)
-                    sock.close()
-                    error = exc
-                    continue
-                except BaseException:
-                    trio.lowlevel.notify_closing(sock)
-                    sock.close()
-                    raise
-                return _UpstreamConn(sock, url)
-        raise error or OSError(f"{target.host}: no address")
-
-    def release(self, conn: _UpstreamConn, now: float) -> None:
-        stack = self.idle.setdefault(conn.url, [])
-        if len(stack) >= self.max_idle:
-            conn.close()
-            return
-        conn.idle_since = now
-        stack.append(conn)
-
-    def sweep(self, now: float, live: set[str]) -> None:
-        """Close idle connections past the idle timeout or to URLs nothing routes to."""
-        for url in list(self.idle):
-            keep = []
-            for conn in self.idle[url]:
-                if url in live and now - conn.idle_since < self.idle_timeout:
-                    keep.append(conn)
-                else:
-                    conn.close()
-            if keep:
-                self.idle[url] = keep
-            else:
-                del self.idle[url]
-                if url not in live:
-                    self.targets.pop(url, None)
-
-    def close_all(self) -> None:
-        for stack in self.idle.values():
-            for conn in stack:
-                conn.close()
-        self.idle.clear()
-
-    def idle_counts(self) -> dict[str, int]:
-        return {url: len(stack) for url, stack in self.idle.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Idle and slow clients: the header timeout, the idle timeout and the connection cap
-
-#: A request's head (request line and headers) must arrive within this many seconds of its first
-#: byte; a new connection's first head within this of the accept. Real clients send a head in one
-#: write, so ten seconds is generous for any network, and a slowloris client (a head sent a byte at
-#: a time) holds its connection ten seconds, not for ever.
-DEFAULT_HEADER_TIMEOUT = 10.0
-#: An idle keep-alive connection (between requests) is closed after this many seconds. Longer than
-#: the 60 s idle timeout of the load balancers that sit in front of routers (the balancer, not the
-#: router, should close first, or it may send a request on a connection the router is closing),
-#: the same as nginx's keepalive_timeout; clients' own pools (httpx: 5 s) close theirs sooner.
-DEFAULT_CLIENT_IDLE_TIMEOUT = 75.0
-#: Client connections served at once. Each costs two descriptors (the socket and its hang-up
-#: watch) and one more while its request is relayed; 10,000 is far above what one router's
-#: engines answer at once, and a router whose descriptor limit is lower lowers it (``serve``).
-DEFAULT_MAX_CONNECTIONS = 10_000
-
-
-@attrs.frozen
-class ClientLimits:
-    """What idle and slow clients may cost the router.
-
-    Over ``max_connections`` a connection is answered ``503`` with ``retry-after: 1`` and closed,
-    not queued: routers run several behind a load balancer, and a fast refusal lets the balancer
-    or the client (the OpenAI SDKs retry 503 with backoff) go elsewhere, where a queue (a paused
-    accept) would leave them waiting in the kernel's backlog with no answer and no way to tell an
-    overloaded router from a dead one."""
-
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT
-    idle_timeout: float = DEFAULT_CLIENT_IDLE_TIMEOUT
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("header_timeout", "idle_timeout"):
-            value = getattr(self, name)
-            if not value > 0:  # also refuses NaN
-                raise ValueError(f"the router's client {name} must be more than 0 seconds, got {value}")
-        if self.max_connections < 1:
-            raise ValueError(f"the router's max_connections must be at least 1, got {self.max_connections}")
-
-
-#: Descriptors per client connection: its socket, its hang-up watch, and an engine connection.
-_FDS_PER_CONNECTION = 3
-#: Descriptors kept for everything else: listeners, pooled engine connections, logs, the pump.
-_FDS_RESERVED = 256
-
-
-def connection_cap(wanted: int) -> int:
-    """The connection cap this process's descriptor limit allows, ``wanted`` or less. The soft
-    limit is raised towards the hard one first (as Go's runtime does at start: the soft default of
-    1,024 is a relic of select()); if even the hard limit is short, one warning says so and the
-    cap is lowered, so that over-cap clients get a 503 rather than an accept loop out of
-    descriptors."""
-    need = wanted * _FDS_PER_CONNECTION + _FDS_RESERVED
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (OSError, ValueError):
-            pass
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return wanted
-    cap = max(1, (soft - _FDS_RESERVED) // _FDS_PER_CONNECTION)
-    log.warning(
-        "router: a cap of %d client connections (router_max_connections, --max-connections) needs %d "
-        "descriptors, this process may open %d (hard limit %s); serving at most %d client "
-        "connections: raise the limit (LimitNOFILE= in the unit, ulimit -n) to serve more",
-        wanted,
-        need,
-        soft,
-        "unlimited" if hard == resource.RLIM_INFINITY else hard,
-        cap,
-    )
-    return cap
-
-
-# ---------------------------------------------------------------------------------------------
-# Silent engines: the response and stream idle timeouts
-
-#: Until an engine's first response byte, from sending it the request. A non-streamed answer's
-#: head comes only once the whole answer is generated, after any wait in the engine's queue: on a
-#: busy engine a long answer takes minutes (4096 tokens at 20 a second is 205 s). Five minutes
-#: lets that through and still frees a request that an engine accepted and never answered.
-DEFAULT_RESPONSE_TIMEOUT = 300.0
-#: The longest silence of an engine once its response has begun. Tokens come every few tens of
-#: milliseconds, so a minute without a byte is a hung engine rather than a slow one; a minute is
-#: also nginx's proxy_read_timeout, the figure operators know. vLLM, SGLang and llama.cpp send a
-#: stream's head before its first token, so for a stream this also bounds the wait in the
-#: engine's queue: where queues hold requests longer than a minute, raise it.
-DEFAULT_STREAM_IDLE_TIMEOUT = 60.0
-
-#: struct tcp_info (linux/tcp.h) up to tcpi_bytes_received (Linux 4.1), and the offsets read.
-_TCP_INFO_SIZE = 136
-_LAST_DATA_RECV = 52  # __u32, milliseconds since data last arrived
-_BYTES_RECEIVED = 128  # __u64
-
-
-def tcp_progress(sock: socket.socket) -> tuple[int, float] | None:
-    """(bytes the kernel has received on ``sock``, seconds since data last arrived), from
-    ``TCP_INFO``; None when that cannot be read (the socket closed, or not TCP).
-
-    Why the kernel's counters: the streamed body is relayed by the pump, natively by a C thread
-    that never reports progress per chunk, and counting or re-arming a timer per token in Python
-    is what the pump exists to avoid. The kernel keeps both figures per socket anyway, so the
-    stall watch reads them once per tick per request in flight, and the relay path pays nothing."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
-    except OSError:
-        return None
-    if len(info) < _TCP_INFO_SIZE:
-        return None
-    (quiet_ms,) = struct.unpack_from("=I", info, _LAST_DATA_RECV)
-    (received,) = struct.unpack_from("=Q", info, _BYTES_RECEIVED)
-    return received, quiet_ms / 1000
-
-
-def _unread(sock: socket.socket) -> int:
-    """Bytes waiting in ``sock``'s receive queue (0 when that cannot be read)."""
-    try:
-        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
-    except OSError:
-        return 0
-
-
-def _writable(fd: int) -> bool:
-    """Whether the client's socket would take bytes now (or has failed, which the next write
-    will find): when it would not, its reader is what holds the stream up."""
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-    return bool(poller.poll(0))
-
-
-class _Watch:
-    """One attempt's engine connection, as the stall watch (``Router._watch_stalls``) sees it.
-    ``fired`` says which timeout cut it off ("head" or "idle"), ``waited`` after how long."""
-
-    __slots__ = ("baseline", "client_fd", "fired", "got_bytes", "scope", "since", "sock", "waited")
-
-    def __init__(self, client_fd: int) -> None:
-        self.client_fd = client_fd
-        self.scope = trio.CancelScope()
-        self.sock: socket.socket | None = None
-        self.since = 0.0
-        self.baseline = 0
-        self.got_bytes = False
-        self.fired = ""
-        self.waited = 0.0
-
-    def arm(self, sock: socket.socket, now: float) -> None:
-        """Watch ``sock`` from ``now`` on; called before the request goes out on it, so that any
-        byte received after this is the engine's answer to it."""
-        progress = tcp_progress(sock)
-        self.sock = sock if progress is not None else None
-        self.baseline = progress[0] if progress is not None else 0
-        self.since = now
-        self.got_bytes = False
-
-
-def stall(
-    *,
-    waited: float,
-    got_bytes: bool,
-    quiet: float,
-    response_timeout: float,
-    idle_timeout: float,
-) -> str:
-    """Which timeout an engine connection has run past: "head" (no byte of the response
-    ``waited`` seconds after the request), "idle" (the response began and nothing came for
-    ``quiet`` seconds), or "" (neither). The caller confirms "idle" against the sockets first:
-    bytes unread on the router's side, or a client not reading, mean the silence is not the
-    engine's."""
-    if not got_bytes:
-        return "head" if waited >= response_timeout else ""
-    return "idle" if quiet >= idle_timeout else ""
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics
-
-TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-class Metrics:
-    """Counters for ``/metrics`` (Prometheus text format 0.0.4), owned by one router.
-
-    Plain dicts updated from the router's tasks, which all run on one trio thread, so no locks; the
-    gauges (in flight, ejected, idle connections) are read from the balancer and pool at scrape
-    time instead of being kept up to date on every request."""
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, str], int] = {}
-        self.upstream_errors: dict[tuple[str, str, str], int] = {}
-        self.retries: dict[str, int] = {}
-        self.disconnects: dict[str, int] = {}
-        self.ejections: dict[tuple[str, str], int] = {}
-        self.ttfb: dict[str, list[float]] = {}  # model -> bucket counts..., then sum, then count
-        #: Client connections the router ended for a limit: header, idle, body, over_capacity.
-        self.clients_closed: dict[str, int] = {}
-        #: Client connections open (``Router.connections``), set before each exposition.
-        self.client_connections = 0
-
-    def client_closed(self, reason: str) -> None:
-        self.clients_closed[reason] = self.clients_closed.get(reason, 0) + 1
-
-    def request(self, model: str, status: int | str) -> None:
-        key = (model, str(status))
-        self.requests[key] = self.requests.get(key, 0) + 1
-
-    def upstream_error(self, upstream: Upstream, kind: str) -> None:
-        key = (upstream.replica_id, upstream.url, kind)
-        self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
-
-    def observe_ttfb(self, model: str, seconds: float) -> None:
-        row = self.ttfb.get(model)
-        if row is None:
-            row = self.ttfb[model] = [0.0] * (len(TTFB_BUCKETS) + 2)
-        row[bisect_left(TTFB_BUCKETS, seconds)] += 1  # index len(TTFB_BUCKETS) is the +Inf-only slot
-        row[-2] += seconds
-        row[-1] += 1
-
-    def exposition(self, balancer: Balancer, pool: _Pool, pump: Pump, now: float) -> bytes:
-        out: list[str] = []
-
-        def family(name: str, kind: str, text: str) -> None:
-            out.append(f"# HELP {name} {text}")
-            out.append(f"# TYPE {name} {kind}")
-
-        family("llmgw_router_requests_total", "counter", "Requests answered, by model and HTTP status.")
-        for (model, status), n in sorted(self.requests.items()):
-            out.append(f'llmgw_router_requests_total{{model="{_label(model)}",status="{status}"}} {n}')
-        family(
-            "llmgw_router_upstream_errors_total",
-            "counter",
-            "Upstream failures, by replica and kind (connect, reset, closed, timeout, unavailable, "
-            "protocol, mid_stream).",
-        )
-        for (rid, url, kind), n in sorted(self.upstream_errors.items()):
-            out.append(
-                f'llmgw_router_upstream_errors_total{{replica="{_label(rid)}",url="{_label(url)}",'
-                f'kind="{kind}"}} {n}'
-            )
-        family("llmgw_router_retries_total", "counter", "Requests moved to another replica after a failure.")
-        for model, n in sorted(self.retries.items()):
-            out.append(f'llmgw_router_retries_total{{model="{_label(model)}"}} {n}')
-        family(
-            "llmgw_router_client_disconnects_total",
-            "counter",
-            "Clients that left before their response ended (the upstream request was cancelled).",
-        )
-        for model, n in sorted(self.disconnects.items()):
-            out.append(f'llmgw_router_client_disconnects_total{{model="{_label(model)}"}} {n}')
-        family("llmgw_router_ejections_total", "counter", "Times an upstream was ejected.")
-        for (rid, url), n in sorted(self.ejections.items()):
-            out.append(f'llmgw_router_ejections_total{{replica="{_label(rid)}",url="{_label(url)}"}} {n}')
-        family(
-            "llmgw_router_time_to_first_byte_seconds",
-            "histogram",
-            "From the request's arrival to the first response body byte sent to the client.",
-        )
-        for model, row in sorted(self.ttfb.items()):
-            m = _label(model)
-            cumulative = 0.0
-            for bound, count in zip(TTFB_BUCKETS, row, strict=False):
-                cumulative += count
-                out.append(
-                    f'llmgw_router_time_to_first_byte_seconds_bucket{{model="{m}",le="{bound}"}} {cumulative:g}'
-                )
-            out.append(f'llmgw_router_time_to_first_byte_seconds_bucket{{model="{m}",le="+Inf"}} {row[-1]:g}')
-            out.append(f'llmgw_router_time_to_first_byte_seconds_sum{{model="{m}"}} {row[-2]}')
-            out.append(f'llmgw_router_time_to_first_byte_seconds_count{{model="{m}"}} {row[-1]:g}')
-        family("llmgw_router_in_flight", "gauge", "Requests outstanding on each upstream.")
-        for url, h in sorted(balancer.health.items()):
-            out.append(
-                f'llmgw_router_in_flight{{replica="{_label(h.replica_id)}",url="{_label(url)}"}} {h.outstanding}'
-            )
-        family("llmgw_router_upstream_ejected", "gauge", "1 while an upstream is ejected.")
-        for url, h in sorted(balancer.health.items()):
-            flag = 1 if h.ejected_until > now else 0
-            out.append(
-                f'llmgw_router_upstream_ejected{{replica="{_label(h.replica_id)}",url="{_label(url)}"}} {flag}'
-            )
-        family("llmgw_router_idle_connections", "gauge", "Pooled keep-alive connections per upstream.")
-        for url, n in sorted(pool.idle_counts().items()):
-            out.append(f'llmgw_router_idle_connections{{url="{_label(url)}"}} {n}')
-        streams, blocked = pump.stats()
-        family(
-            "llmgw_router_streams", "gauge", "Streamed response bodies being relayed, past their first event."
-        )
-        out.append(f"llmgw_router_streams {streams}")
-        family(
-            "llmgw_router_streams_client_blocked",
-            "gauge",
-            "Streams paused because their client reads slower than the engine writes (the engine "
-            "is not read until the client drains).",
-        )
-        out.append(f"llmgw_router_streams_client_blocked {blocked}")
-        family("llmgw_router_client_connections", "gauge", "Client connections open.")
-        out.append(f"llmgw_router_client_connections {self.client_connections}")
-        family(
-            "llmgw_router_client_connections_closed_total",
-            "counter",
-            "Client connections the router ended for a limit: head too slow (head), idle too long "
-            "(idle), a body silent too long (body), over router_max_connections (over_capacity).",
-        )
-        for reason, n in sorted(self.clients_closed.items()):
-            out.append(f'llmgw_router_client_connections_closed_total{{reason="{reason}"}} {n}')
-        wakeups, pauses, reads = pump.counters()
-        family(
-            "llmgw_router_relay_wakeups_total",
-            "counter",
-            "Wake-ups of the relay pump; reads per wake-up is what its coalescing pause buys.",
-        )
-        out.append(f"llmgw_router_relay_wakeups_total {wakeups}")
-        family(
-            "llmgw_router_relay_pauses_total",
-            "counter",
-            "Coalescing pauses the relay pump took (a busy pump pauses after a wake-up; an idle one does not).",
-        )
-        out.append(f"llmgw_router_relay_pauses_total {pauses}")
-        family(
-            "llmgw_router_relay_reads_total", "counter", "Engine socket reads that brought response bytes."
-        )
-        out.append(f"llmgw_router_relay_reads_total {reads}")
-        return ("\n".join(out) + "\n").encode()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -933,7 +270,7 @@ class Router:
         # The stall watch's period: a tenth of the shorter timeout, so a timeout fires within
         # 10% of its length, and at most a second (a tick costs a getsockopt per request in flight).
         self.stall_tick = min(1.0, max(0.01, min(response_timeout, stream_idle_timeout) / 10))
-        self._watches: set[_Watch] = set()
+        self._watches: set[Watch] = set()
         limits = client_limits or ClientLimits()
         if client_idle_timeout is not None:
             limits = attrs.evolve(limits, idle_timeout=client_idle_timeout)
@@ -947,7 +284,7 @@ class Router:
         self.balancer = Balancer(
             affinity_slack=affinity_slack, eject_after=eject_after, eject_base=eject_base, eject_max=eject_max
         )
-        self.pool = _Pool(
+        self.pool = Pool(
             max_idle=pool_max_idle, idle_timeout=pool_idle_timeout, connect_timeout=connect_timeout
         )
         self.metrics = Metrics()
@@ -1004,7 +341,7 @@ class Router:
                     watch.fired = verdict
                     watch.scope.cancel()
 
-    def _stalled(self, watch: _Watch, now: float) -> str:
+    def _stalled(self, watch: Watch, now: float) -> str:
         sock = watch.sock
         assert sock is not None
         progress = tcp_progress(sock)
@@ -1021,7 +358,7 @@ class Router:
             response_timeout=self.response_timeout,
             idle_timeout=self.stream_idle_timeout,
         )
-        if verdict == "idle" and (_unread(sock) or not _writable(watch.client_fd)):
+        if verdict == "idle" and (unread(sock) or not writable(watch.client_fd)):
             return ""  # bytes wait for the router, or the client does not read: not the engine
         watch.waited = waited if verdict == "head" else quiet
         return verdict
@@ -1276,7 +613,7 @@ class Router:
                 503, f"model `{model}` has no ready replica: {why}", "service_unavailable", "no_ready_replica"
             )
         key = affinity_key(doc, self.affinity_chars)
-        digest = _digest(key) if key else None
+        digest = prefix_digest(key) if key else None
 
         # The client hanging up cancels the connection's scope (ClientConn.watch), and with it
         # this request: leaving _forward closes the engine connection, which cancels its work.
@@ -1342,7 +679,7 @@ class Router:
         replica may be tried. An engine that stays silent past the response or stream idle
         timeout is cut off by the stall watch (``_watch_stalls``), which cancels this scope;
         ``_timed_out`` then answers for it."""
-        watch = _Watch(ex.fd)
+        watch = Watch(ex.fd)
         with watch.scope:
             self._watches.add(watch)
             try:
@@ -1354,11 +691,11 @@ class Router:
         await self._timed_out(ex, upstream, watch)
 
     async def _try_upstream(
-        self, ex: _Exchange, upstream: Upstream, watch: _Watch, *, last: bool
+        self, ex: _Exchange, upstream: Upstream, watch: Watch, *, last: bool
     ) -> str | None:
         balancer = self.balancer
         balancer.begin(upstream)
-        conn: _UpstreamConn | None = None
+        conn: UpstreamConn | None = None
         try:
             try:
                 target = self.pool.target(upstream.url)
@@ -1415,7 +752,7 @@ class Router:
                 conn.close()  # never pooled mid-response: closing is what cancels the engine's work
             balancer.end(upstream)
 
-    async def _timed_out(self, ex: _Exchange, upstream: Upstream, watch: _Watch) -> NoReturn:
+    async def _timed_out(self, ex: _Exchange, upstream: Upstream, watch: Watch) -> NoReturn:
         """Answer for an engine the stall watch cut off. The replica is ejected at once, not after
         ``eject_after`` failures: each request sent to a silent engine costs its client the whole
         timeout, where a refused connection costs a millisecond and a retry. The request is not
@@ -1463,7 +800,7 @@ class Router:
             )
         return text
 
-    async def _respond_whole(self, ex: _Exchange, conn: _UpstreamConn, upstream: Upstream) -> Response:
+    async def _respond_whole(self, ex: _Exchange, conn: UpstreamConn, upstream: Upstream) -> Response:
         """The usual streamed response, all of it relayed by the native pump's thread from the
         engine's head on (``NativeRelayPump.respond``): this task is woken once per request,
         when the body has ended, instead of once more for the head. The answer says whether the
@@ -1497,7 +834,7 @@ class Router:
             ex.complete = ex.request.keep_alive
         return answer
 
-    async def _read_head(self, conn: _UpstreamConn, buf: bytes = b"") -> tuple[ResponseHead, bytes]:
+    async def _read_head(self, conn: UpstreamConn, buf: bytes = b"") -> tuple[ResponseHead, bytes]:
         """The engine's response head (after any 1xx heads), and the body bytes that came with
         it; ``buf`` is what was read already."""
         data = buf or conn.recv_nowait()
@@ -1544,7 +881,7 @@ class Router:
             self.metrics.observe_ttfb(ex.model, self.clock() - ex.started)
 
     async def _relay(
-        self, ex: _Exchange, conn: _UpstreamConn, head: ResponseHead, buf: bytes, upstream: Upstream
+        self, ex: _Exchange, conn: UpstreamConn, head: ResponseHead, buf: bytes, upstream: Upstream
     ) -> bool:
         """Relay the response to the client; returns whether the upstream connection is reusable.
 
@@ -1590,7 +927,7 @@ class Router:
             raise
 
     async def _relay_chunked(
-        self, ex: _Exchange, conn: _UpstreamConn, buf: bytes, out: bytes, keep_alive: bool
+        self, ex: _Exchange, conn: UpstreamConn, buf: bytes, out: bytes, keep_alive: bool
     ) -> bool:
         """The hot path: chunked bytes pass through unchanged. The head goes out at once, with
         whatever part of the body came with it; the rest of the body goes to the relay pump
@@ -1615,7 +952,7 @@ class Router:
         return keep_alive and not extra
 
     async def _relay_decoded(
-        self, ex: _Exchange, conn: _UpstreamConn, head: ResponseHead, buf: bytes, out: bytes, encode: bool
+        self, ex: _Exchange, conn: UpstreamConn, head: ResponseHead, buf: bytes, out: bytes, encode: bool
     ) -> bool:
         """Bodies that are not passed through chunk for chunk: content-length (relayed as it
         arrives), chunked to an HTTP/1.0 client (decoded), or an engine body that ends when its
@@ -1684,143 +1021,3 @@ def _classify(exc: OSError | trio.TooSlowError | UpstreamError | EngineFailedEar
     if isinstance(exc, ConnectionResetError | BrokenPipeError):
         return UpstreamError("reset", f"connection reset ({exc.strerror or exc})")
     return UpstreamError("connect", exc.strerror or str(exc) or type(exc).__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# Router-only runs: python -m router --static MODEL=URL
-
-
-def _parse_static(values: Sequence[str]) -> list[tuple[str, str]]:
-    endpoints = []
-    for value in values:
-        model, sep, url = value.partition("=")
-        if not sep or not model or not url:
-            raise ValueError(f"--static {value!r}: expected MODEL=URL, e.g. llama=http://10.0.0.7:8000")
-        endpoints.append((model, url))
-    return endpoints
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m router",
-        description="llmgw's OpenAI-compatible router on a static endpoint list (no control plane).",
-    )
-    parser.add_argument(
-        "--static", action="append", default=[], metavar="MODEL=URL", help="a replica; repeat"
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="accepted bearer key; repeat (or LLMGW_ROUTER_API_KEYS=k1,k2, which keeps keys out of ps)",
-    )
-    parser.add_argument(
-        "--relay-coalesce-us",
-        type=int,
-        default=DEFAULT_COALESCE_US,
-        metavar="US",
-        help=f"the relay pump's pause after each wake-up, 0 to {MAX_COALESCE_US} "
-        f"(default {DEFAULT_COALESCE_US}; 0: none): streamed tokens that arrive together share a wake-up",
-    )
-    parser.add_argument(
-        "--response-timeout",
-        type=float,
-        default=DEFAULT_RESPONSE_TIMEOUT,
-        metavar="SECONDS",
-        help=f"the longest wait for an engine's first response byte (default {DEFAULT_RESPONSE_TIMEOUT:g}); "
-        "past it the client gets a 504 and the replica is ejected",
-    )
-    parser.add_argument(
-        "--stream-idle-timeout",
-        type=float,
-        default=DEFAULT_STREAM_IDLE_TIMEOUT,
-        metavar="SECONDS",
-        help=f"the longest silence of an engine once its response began (default "
-        f"{DEFAULT_STREAM_IDLE_TIMEOUT:g}); past it the stream ends with an error event and the "
-        "replica is ejected",
-    )
-    parser.add_argument(
-        "--header-timeout",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT,
-        metavar="SECONDS",
-        help=f"a request's head must arrive within this of its first byte, a new connection's first "
-        f"within this of the accept (default {DEFAULT_HEADER_TIMEOUT:g}; slowloris clients are closed)",
-    )
-    parser.add_argument(
-        "--client-idle-timeout",
-        type=float,
-        default=DEFAULT_CLIENT_IDLE_TIMEOUT,
-        metavar="SECONDS",
-        help=f"an idle keep-alive client connection is closed after this (default {DEFAULT_CLIENT_IDLE_TIMEOUT:g})",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        metavar="N",
-        help=f"client connections over N get a 503 and are closed (default {DEFAULT_MAX_CONNECTIONS})",
-    )
-    parser.add_argument(
-        "--metrics-key",
-        default=os.environ.get("LLMGW_ROUTER_METRICS_KEY", ""),
-        metavar="KEY",
-        help="GET /metrics wants Authorization: Bearer KEY (or LLMGW_ROUTER_METRICS_KEY, which keeps it "
-        "out of ps); without one /metrics answers loopback clients only",
-    )
-    args = parser.parse_args(argv)
-    if args.max_connections < 1:
-        parser.error(f"--max-connections must be at least 1, got {args.max_connections}")
-    for flag, value in (
-        ("--response-timeout", args.response_timeout),
-        ("--stream-idle-timeout", args.stream_idle_timeout),
-        ("--header-timeout", args.header_timeout),
-        ("--client-idle-timeout", args.client_idle_timeout),
-    ):
-        if not value > 0:
-            parser.error(f"{flag} must be more than 0 seconds, got {value:g}")
-    try:
-        routes = static_routes(_parse_static(args.static))
-    except ValueError as exc:
-        parser.error(str(exc))
-    if not args.static:
-        parser.error("no --static MODEL=URL given")
-    keys = set(args.api_key)
-    keys.update(k for k in os.environ.get("LLMGW_ROUTER_API_KEYS", "").split(",") if k)
-    try:
-        router = Router(
-            routes,
-            api_keys=frozenset(keys),
-            relay_coalesce_us=args.relay_coalesce_us,
-            response_timeout=args.response_timeout,
-            stream_idle_timeout=args.stream_idle_timeout,
-            client_limits=ClientLimits(
-                header_timeout=args.header_timeout,
-                idle_timeout=args.client_idle_timeout,
-                max_connections=args.max_connections,
-            ),
-            metrics_key=args.metrics_key,
-        )
-    except (RuntimeError, ValueError) as exc:  # the relay pump asked for (LLMGW_RELAY, coalescing), timeouts
-        parser.error(str(exc))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(router.serve, args.host, args.port)
-            print(
-                f"llmgw router listening on {args.host}:{port} (pid {os.getpid()}, {router.pump.kind} relay pump)",
-                flush=True,
-            )
-
-    try:
-        trio.run(run)
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

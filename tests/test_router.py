@@ -28,15 +28,10 @@ import openai
 import pytest
 import trio
 
+from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_score
 from router.framing import ChunkedScanner, parse_response_head
 from router.routes import ModelRoutes, Upstream, static_routes
-from router.server import (
-    Balancer,
-    Router,
-    _digest,
-    _score,
-    affinity_key,
-)
+from router.server import Router
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
@@ -640,8 +635,8 @@ def prompt_ranked_first(first: str, other: str) -> str:
     """A prompt whose rendezvous ranking puts ``first`` ahead of ``other``."""
     for i in range(1000):
         text = f"prompt {i}"
-        digest = _digest(affinity_key({"messages": [{"role": "user", "content": text}]}, 256))
-        if _score(digest, first) > _score(digest, other):
+        digest = prefix_digest(affinity_key({"messages": [{"role": "user", "content": text}]}, 256))
+        if rendezvous_score(digest, first) > rendezvous_score(digest, other):
             return text
     raise AssertionError("no prompt ranks the URL first")
 
@@ -1018,7 +1013,7 @@ def test_ejection_is_consecutive_exponential_and_cleared_by_success() -> None:
 def test_affinity_prefers_its_replica_until_it_is_busier_than_the_slack() -> None:
     ups = [Upstream(f"r{i}", f"http://h{i}:1") for i in range(4)]
     b = Balancer(affinity_slack=2)
-    digest = _digest("shared system prompt")
+    digest = prefix_digest("shared system prompt")
     preferred = b.choose(ups, digest, 0.0)
     assert preferred is not None
     assert all(b.choose(ups, digest, 0.0) == preferred for _ in range(5))  # idle: always the same

@@ -266,7 +266,7 @@ def test_metrics_answer_loopback_only_without_a_key_and_the_key_holder_with_one(
 
 def test_the_client_limits_are_in_the_config_with_their_defaults_and_checked_at_load() -> None:
     from control.config import ConfigError, parse
-    from router.server import DEFAULT_CLIENT_IDLE_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+    from router.limits import DEFAULT_CLIENT_IDLE_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
     endpoints = '[[endpoints]]\nmodel = "m"\nurl = "http://127.0.0.1:9"\n'
     limits = parse(endpoints).router_client_limits

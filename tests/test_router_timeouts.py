@@ -25,15 +25,10 @@ import pytest
 import trio
 
 import control.config
+from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_score
 from router.routes import ModelRoutes, Upstream
-from router.server import (
-    Balancer,
-    Router,
-    _digest,
-    _score,
-    affinity_key,
-    stall,
-)
+from router.server import Router
+from router.stalls import stall
 from tests.test_router import (
     MODEL,
     REPO,
@@ -118,7 +113,7 @@ def prompt_preferring(url: str, other: str) -> str:
     for i in range(1000):
         text = f"question {i}"
         key = affinity_key({"messages": [{"role": "user", "content": text}]}, 256)
-        if _score(_digest(key), url) > _score(_digest(key), other):
+        if rendezvous_score(prefix_digest(key), url) > rendezvous_score(prefix_digest(key), other):
             return text
     raise AssertionError("no prompt ranks the stand-in first")
 
