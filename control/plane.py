@@ -38,6 +38,7 @@ import trio
 
 import schema
 from control.agentsvc import AgentService
+from control.routewatch import RouteWatch
 from control.config import ControlConfig, Listen, ModelConfig
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.placement import (
@@ -183,6 +184,8 @@ class ControlPlane:
         self.api_port = 0
         self.router_port = 0
         self._routes: Mapping[str, ModelRoutes] = MappingProxyType({})
+        #: Serves the route table to routers run apart (``WatchRoutes`` on the agent port).
+        self.route_watch = RouteWatch((*config.api.read_tokens, *config.api.admin_tokens))
         self._wake = trio.Event()
         self._converter = cattrs.Converter()
         self._views: dict[str, tuple[object, NodeView]] = {}
@@ -690,6 +693,7 @@ class ControlPlane:
             )
             table[endpoint.model] = ModelRoutes(ups, current.reason if current else "")
         self._routes = MappingProxyType(table)
+        self.route_watch.publish(self._routes)
 
     def routes(self) -> Mapping[str, ModelRoutes]:
         return self._routes
@@ -722,7 +726,12 @@ class ControlPlane:
         if self.config.tls is not None:
             t = self.config.tls
             tls = ServerTLS(t.cert, t.key, client_ca=t.client_ca, require_client_cert=t.require_client_cert)
-        server = StreamServer(self.agents.handle, tls=tls, limits=ServerLimits(max_streams=50_000))
+        server = StreamServer(
+            self.agents.handle,
+            tls=tls,
+            limits=ServerLimits(max_streams=50_000),
+            methods=self.route_watch.methods(),
+        )
         host, port = Listen.split(self.config.listen.agents)
         api_host, api_port = Listen.split(self.config.listen.api)
         async with trio.open_nursery() as nursery:

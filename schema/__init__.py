@@ -18,12 +18,16 @@ from schema.gen.llmgw.v1 import (
     Heartbeat,
     LogsReply,
     LogsRequest,
+    ModelRoute,
     PortRange,
     Register,
+    RouteTable,
+    RouteUpstream,
     ShardState,
     ShardStatus,
     StartShard,
     StopShard,
+    WatchRoutesRequest,
 )
 
 SERVICE = "llmgw.v1.AgentService"
@@ -32,11 +36,17 @@ METHOD = "Connect"
 CONNECT_PATH = f"/{SERVICE}/{METHOD}"
 #: The WebSocket route that carries the same envelopes for HTTP/1.1-only networks.
 WEBSOCKET_PATH = f"/ws/{SERVICE}/{METHOD}"
+#: The route watch (server streaming: one WatchRoutesRequest in, RouteTable snapshots out), served on
+#: the same port as the agent streams, for routers.
+ROUTE_SERVICE = "llmgw.v1.RouteService"
+WATCH_ROUTES_PATH = f"/{ROUTE_SERVICE}/WatchRoutes"
 
 __all__ = [
     "CONNECT_PATH",
     "METHOD",
+    "ROUTE_SERVICE",
     "SERVICE",
+    "WATCH_ROUTES_PATH",
     "WEBSOCKET_PATH",
     "Ack",
     "AgentMessage",
@@ -50,10 +60,14 @@ __all__ = [
     "Heartbeat",
     "LogsReply",
     "LogsRequest",
+    "ModelRoute",
     "PortRange",
     "Register",
+    "RouteTable",
+    "RouteUpstream",
     "ShardState",
     "ShardStatus",
     "StartShard",
     "StopShard",
+    "WatchRoutesRequest",
 ]

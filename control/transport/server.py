@@ -27,7 +27,7 @@ import logging
 import re
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -206,6 +206,14 @@ class ServerStream:
     async def send(self, message: schema.ControlMessage) -> None:
         raise NotImplementedError
 
+    async def receive_payload(self) -> bytes | None:
+        """The next message's bytes, unparsed (another method's request); ``None`` at a clean end."""
+        raise NotImplementedError
+
+    async def send_payload(self, payload: bytes) -> None:
+        """Send one message's bytes (another method's response)."""
+        raise NotImplementedError
+
     async def finish(self, code: Code, message: str = "") -> None:
         """End the stream with a status (idempotent)."""
         raise NotImplementedError
@@ -266,6 +274,15 @@ class _H2ServerStream(H2Stream, ServerStream):
         return self.error or self.transport.error
 
     async def receive(self) -> schema.AgentMessage | None:
+        payload = await self.receive_payload()
+        if payload is None:
+            return None
+        try:
+            return self._note(_parse(payload))
+        except RpcError as exc:
+            await self._refuse(exc.code, exc.message)
+
+    async def receive_payload(self) -> bytes | None:
         if self.finished:
             return None
         limits = self.server.limits
@@ -290,15 +307,15 @@ class _H2ServerStream(H2Stream, ServerStream):
             )
         if env.end_stream:
             await self._refuse(Code.INTERNAL, "unexpected end-of-stream envelope from a client")
-        try:
-            return self._note(_parse(env.payload))
-        except RpcError as exc:
-            await self._refuse(exc.code, exc.message)
+        return env.payload
 
     async def send(self, message: schema.ControlMessage) -> None:
+        await self.send_payload(bytes(message))
+
+    async def send_payload(self, payload: bytes) -> None:
         if self.finished:
             raise RpcError(Code.FAILED_PRECONDITION, "stream already ended")
-        await self.send_message(bytes(message))
+        await self.send_message(payload)
 
     async def finish(self, code: Code, message: str = "") -> None:
         """End our side with a status: gRPC trailers, or Connect's end-of-stream envelope."""
@@ -435,12 +452,24 @@ class _PrefixedStream(trio.abc.Stream):
 
 
 class StreamServer:
-    """Serves ``AgentService/Connect`` to a handler; see the module docstring."""
+    """Serves ``AgentService/Connect`` to a handler; see the module docstring.
+
+    ``methods`` adds other RPCs by HTTP/2 path (``/llmgw.v1.RouteService/WatchRoutes``), gRPC and
+    Connect over HTTP/2 only: their handlers read and write raw messages with
+    :meth:`ServerStream.receive_payload` and :meth:`ServerStream.send_payload`, with the same limits,
+    status handling and shutdown as the agent streams.
+    """
 
     def __init__(
-        self, handler: Handler, *, tls: ServerTLS | None = None, limits: ServerLimits | None = None
+        self,
+        handler: Handler,
+        *,
+        tls: ServerTLS | None = None,
+        limits: ServerLimits | None = None,
+        methods: Mapping[str, Handler] | None = None,
     ) -> None:
         self.handler = handler
+        self.methods: dict[str, Handler] = {schema.CONNECT_PATH: handler, **(methods or {})}
         self.tls = tls
         self.limits = limits or ServerLimits()
         self._ssl_context = tls.context() if tls else None
@@ -927,10 +956,11 @@ class StreamServer:
                 f"method {peer_text(headers.get(':method', ''))} not allowed: gRPC and Connect use POST",
             )
             return
-        if headers.get(":path") != schema.CONNECT_PATH:
+        handler = self.methods.get(headers.get(":path", ""))
+        if handler is None:
             trailers_only(
                 Code.UNIMPLEMENTED,
-                f"unknown method {peer_text(headers.get(':path', ''))}; served: {schema.CONNECT_PATH}",
+                f"unknown method {peer_text(headers.get(':path', ''))}; served: {', '.join(self.methods)}",
                 ctype,
             )
             return
@@ -955,11 +985,11 @@ class StreamServer:
         st = _H2ServerStream(self, transport, stream_id, protocol, peer, headers)
         if event.stream_ended is not None:
             st.on_remote_end()
-        nursery.start_soon(self._run_h2_stream, st)
+        nursery.start_soon(self._run_h2_stream, st, handler)
 
-    async def _run_h2_stream(self, st: _H2ServerStream) -> None:
+    async def _run_h2_stream(self, st: _H2ServerStream, handler: Handler) -> None:
         try:
-            await self._run_handler(st, st.finish, st.scope)
+            await self._run_handler(st, st.finish, st.scope, handler)
         finally:
             st.forget()
 
@@ -968,6 +998,7 @@ class StreamServer:
         st: ServerStream,
         finish: Callable[[Code, str], Awaitable[None]],
         scope: trio.CancelScope | None = None,
+        handler: Handler | None = None,
     ) -> None:
         """Run the handler on one stream, end the stream with a status, and log one closing line.
 
@@ -986,7 +1017,7 @@ class StreamServer:
         try:
             with scope:
                 try:
-                    await self.handler(st)
+                    await (handler or self.handler)(st)
                 except BaseException as exc:
                     if not _is_failure(exc):
                         raise

@@ -1,0 +1,159 @@
+"""The route watch, server side: the latest route table, its revision, and the watchers it wakes.
+
+Routers run apart from the control plane (several of them, restarted on their own schedule), so they
+subscribe to ``llmgw.v1.RouteService/WatchRoutes`` on the agent port: the first message is the whole
+table, and every change sends the whole table again with the next revision. The plane calls
+:meth:`RouteWatch.publish` after each ``build_routes()``; a table equal to the last one is not a change.
+
+Why whole tables: a table is small (models times replicas), and a router that missed a message (one
+the server coalesced, or a reconnect) is right again after the next one, with no delta to replay.
+
+Bounded: each watcher holds nothing but the revision it last sent. The encoded table is shared, and a
+watcher that reads slowly (its HTTP/2 window closed) is sent only the latest table once it catches up;
+the revisions in between are skipped, never queued.
+
+Authenticated like the admin API's read role: ``authorization: Bearer TOKEN`` compared in constant
+time against every ``[api] read_tokens`` and ``admin_tokens`` entry (the engine keys are in the
+table); with no token configured, loopback peers only. A refused call gets UNAUTHENTICATED or
+PERMISSION_DENIED and nothing else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import secrets
+from collections.abc import Iterable, Mapping
+
+import trio
+
+import schema
+from control.transport import Handler, ServerStream
+from router.routes import ModelRoutes
+from schema.rpc import Code, RpcError
+from transport.h2io import peer_text
+
+log = logging.getLogger("llmgw.control.routewatch")
+
+#: The request (a few bytes) must arrive within this long of the stream opening.
+REQUEST_TIMEOUT = 10.0
+
+
+def table_message(epoch: str, revision: int, table: Mapping[str, ModelRoutes]) -> schema.RouteTable:
+    """The wire form of a route table (models sorted, so equal tables encode equally)."""
+    return schema.RouteTable(
+        epoch=epoch,
+        revision=revision,
+        models=[
+            schema.ModelRoute(
+                model=name,
+                upstreams=[
+                    schema.RouteUpstream(replica_id=u.replica_id, url=u.url, api_key=u.api_key)
+                    for u in routes.upstreams
+                ],
+                reason=routes.reason,
+            )
+            for name, routes in sorted(table.items())
+        ],
+    )
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+class RouteWatch:
+    """Holds the latest table and revision, and serves WatchRoutes; see the module docstring."""
+
+    def __init__(self, tokens: Iterable[str] = ()) -> None:
+        self._tokens = tuple(t.encode() for t in tokens)
+        #: One control-plane run: a restarted control plane starts a new epoch at revision 1.
+        self.epoch = secrets.token_hex(8)
+        self.revision = 0
+        self._table: dict[str, ModelRoutes] | None = None
+        self._payload = bytes(table_message(self.epoch, 0, {}))
+        self._changed = trio.Event()
+        self.watchers = 0
+
+    def methods(self) -> dict[str, Handler]:
+        """The RPCs this serves, by HTTP/2 path, for ``StreamServer(methods=...)``."""
+        return {schema.WATCH_ROUTES_PATH: self.handle}
+
+    def publish(self, table: Mapping[str, ModelRoutes]) -> None:
+        """Make ``table`` the current one; a new revision and a wake-up only when it changed."""
+        current = dict(table)
+        if current == self._table:
+            return
+        self._table = current
+        self.revision += 1
+        self._payload = bytes(table_message(self.epoch, self.revision, current))
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def authorize(self, st: ServerStream) -> None:
+        """Raise the status a refused watcher gets (nothing is sent to it before this passes)."""
+        if not self._tokens:
+            if not _is_loopback(st.peer.address):
+                raise RpcError(
+                    Code.PERMISSION_DENIED,
+                    "the route watch answers only this machine while no tokens are configured; set "
+                    "[api] read_tokens in llmgw.toml and give the router --control-token",
+                )
+            return
+        scheme, _, token = st.metadata.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not given:
+            raise RpcError(
+                Code.UNAUTHENTICATED,
+                "the route watch wants a token: authorization: Bearer TOKEN (router: --control-token), "
+                "one of [api] read_tokens or admin_tokens",
+            )
+        # Every token is compared, whatever matched: the time taken says nothing about which is close.
+        matched = False
+        for known in self._tokens:
+            matched |= hmac.compare_digest(given, known)
+        if not matched:
+            raise RpcError(
+                Code.UNAUTHENTICATED,
+                "route watch token not accepted (not in [api] read_tokens or admin_tokens)",
+            )
+
+    async def handle(self, st: ServerStream) -> None:
+        """One watcher: authorize, read its request, send the table, then the latest after each change."""
+        self.authorize(st)
+        with trio.move_on_after(REQUEST_TIMEOUT) as scope:
+            payload = await st.receive_payload()
+        if scope.cancelled_caught:
+            raise RpcError(Code.DEADLINE_EXCEEDED, f"no WatchRoutesRequest within {REQUEST_TIMEOUT:g} s")
+        if payload is None:
+            raise RpcError(Code.INVALID_ARGUMENT, "stream ended before its WatchRoutesRequest")
+        try:
+            request = schema.WatchRoutesRequest.parse(payload)
+        except Exception as exc:
+            raise RpcError(
+                Code.INVALID_ARGUMENT, f"malformed WatchRoutesRequest ({len(payload)} bytes): {exc}"
+            ) from exc
+        resumed = f", resuming {peer_text(request.epoch, 32)}/{request.revision}" if request.epoch else ""
+        log.info("route watcher at %s subscribed (revision %d%s)", st.peer.address, self.revision, resumed)
+        self.watchers += 1
+        try:
+            sent = -1
+            while True:
+                changed = self._changed
+                if sent != self.revision:
+                    sent = self.revision
+                    # Waits for the watcher's window: while it does, changes only move the revision,
+                    # and the loop then sends the latest table, never the ones in between.
+                    await st.send_payload(self._payload)
+                    continue
+                await changed.wait()
+        finally:
+            self.watchers -= 1

@@ -1,0 +1,149 @@
+"""The route watch (``llmgw.v1.RouteService/WatchRoutes``): grpcio against a real control plane, and
+the router's side (``router.watch.WatchedRoutes``) against the server in this process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import trio
+
+import schema
+from control.routewatch import RouteWatch
+from control.transport import StreamServer
+from router.routes import ModelRoutes, Upstream
+from router.watch import WatchedRoutes
+from tests.fleet_procs import free_port, one_node
+
+TOKEN = "route-watch-read-token-0123456789"
+
+
+def _watch(port: int, metadata: tuple[tuple[str, str], ...], timeout: float = 60) -> grpc.Future:
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = channel.unary_stream(
+        schema.WATCH_ROUTES_PATH, request_serializer=bytes, response_deserializer=schema.RouteTable.parse
+    )
+    return stub(schema.WatchRoutesRequest(), metadata=metadata, timeout=timeout)
+
+
+def test_grpcio_watches_a_real_control_plane(tmp_path: Path) -> None:
+    """grpcio subscribes with a read token: the first table names the model with no replica and why,
+    then the same stream brings the table with the sim replica READY (its URL and the shard's key),
+    at a higher revision. No token, or a wrong one, gets UNAUTHENTICATED and no table."""
+    tag = f"w{os.getpid()}"
+    model = f"chat-{tag}"
+    models = (
+        f'[api]\nread_tokens = ["{TOKEN}"]\n'
+        f'[[models]]\nname = "{model}"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
+        'env = { LLMGW_SIM_LOAD_SECONDS = "2" }\n'
+    )
+    with one_node(tmp_path, models, "23900-23949") as (cp, _agent):
+        for metadata in ((), (("authorization", "Bearer not-the-token"),), (("authorization", TOKEN),)):
+            with pytest.raises(grpc.RpcError) as info:
+                next(iter(_watch(cp.agent_port, metadata, timeout=20)))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (metadata, info.value)
+            assert "token" in info.value.details()
+
+        call = _watch(cp.agent_port, (("authorization", f"Bearer {TOKEN}"),))
+        tables: list[schema.RouteTable] = []
+        for table in call:
+            tables.append(table)
+            (route,) = table.models
+            if route.upstreams:
+                break
+        call.cancel()
+
+    first, last = tables[0], tables[-1]
+    assert len(tables) >= 2, tables  # the replica became READY after the watch began: a change arrived
+    assert [t.revision for t in tables] == sorted({t.revision for t in tables})
+    assert first.epoch == last.epoch and first.epoch
+    assert first.models[0].model == model and not first.models[0].upstreams
+    assert first.models[0].reason
+    (up,) = last.models[0].upstreams
+    assert up.replica_id.startswith(model) and up.url.startswith("http://127.0.0.1:239")
+    assert len(up.api_key) >= 16
+
+
+def _table(*urls: str) -> dict[str, ModelRoutes]:
+    return {"m": ModelRoutes(tuple(Upstream(f"m-r{i}", u, api_key=f"k{i}") for i, u in enumerate(urls)))}
+
+
+async def _serve(watch: RouteWatch, port: int, nursery: trio.Nursery) -> trio.CancelScope:
+    scope = trio.CancelScope()
+
+    async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            server = StreamServer(_no_agents, methods=watch.methods())
+            await server.serve("127.0.0.1", port, task_status=task_status)
+
+    await nursery.start(serve)
+    return scope
+
+
+async def _no_agents(st: object) -> None:
+    raise AssertionError("no agent streams in this test")
+
+
+async def _until(what: str, check: Callable[[], object], timeout: float = 20) -> None:
+    """Poll ``check`` until it holds; fails naming ``what`` after ``timeout`` seconds."""
+    with trio.move_on_after(timeout):
+        while True:
+            if check():
+                return
+            # Polled (a deadline, no fixed wait): the state is another task's, with no event to wait on.
+            await trio.sleep(0.02)
+    raise AssertionError(f"no {what} within {timeout:g} s")
+
+
+async def test_router_keeps_routes_while_the_control_plane_is_away_and_resyncs() -> None:
+    """WatchedRoutes (no token: a loopback peer) gets the table, follows a change, keeps the last
+    table while the server is gone, and takes the new epoch's table once a server is back on the
+    same port; a burst of changes reaches it as the latest table, not a queue of stale ones."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    watch = RouteWatch()
+    watch.publish(_table("http://127.0.0.1:9001"))
+    watched = WatchedRoutes(url, backoff_base=0.05, backoff_cap=0.3)
+    async with trio.open_nursery() as nursery:
+        server = await _serve(watch, port, nursery)
+        await nursery.start(watched.run)
+        assert watched.routes()["m"].upstreams[0].url == "http://127.0.0.1:9001"
+        assert watched.routes()["m"].upstreams[0].api_key == "k0"
+
+        for i in range(200):
+            watch.publish(_table("http://127.0.0.1:9001", f"http://127.0.0.1:{9100 + i}"))
+        await _until("the latest table", lambda: watched.revision == watch.revision)
+        assert [u.url for u in watched.routes()["m"].upstreams][-1] == "http://127.0.0.1:9299"
+        assert watched.tables < 200  # coalesced: the watcher was sent the latest, not every revision
+
+        server.cancel()
+        await _until("the server gone", lambda: watch.watchers == 0)
+        assert len(watched.routes()["m"].upstreams) == 2  # kept while the control plane is away
+
+        restarted = RouteWatch()  # a restarted control plane: new epoch, revision 1 again
+        restarted.publish(_table("http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"))
+        await _serve(restarted, port, nursery)
+        await _until("the restarted control plane's table", lambda: watched.epoch == restarted.epoch)
+        assert len(watched.routes()["m"].upstreams) == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_watch_refuses_a_wrong_token_and_starts_after_a_bounded_wait() -> None:
+    """A router with the wrong token gets no routes (the server says UNAUTHENTICATED), and its run()
+    still reports started after its first wait, so a router can start while the control plane
+    refuses it or is down."""
+    port = free_port()
+    watch = RouteWatch(["right-token"])
+    watch.publish(_table("http://127.0.0.1:9001"))
+    watched = WatchedRoutes(f"http://127.0.0.1:{port}", token="wrong-token", first_wait=0.5)
+    async with trio.open_nursery() as nursery:
+        await _serve(watch, port, nursery)
+        await nursery.start(watched.run)
+        assert dict(watched.routes()) == {}
+        right = WatchedRoutes(f"http://127.0.0.1:{port}", token="right-token")
+        await nursery.start(right.run)
+        assert list(right.routes()) == ["m"]
+        nursery.cancel_scope.cancel()

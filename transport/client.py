@@ -1,0 +1,246 @@
+"""A small gRPC client for server-streaming calls over HTTP/2 (h2c or TLS), on trio and ``h2``.
+
+The router's route watch uses it: one request message, then messages until the server ends the
+stream with a status. It is deliberately small: gRPC only (``application/grpc+proto``), identity
+encoding, one stream per connection, and every wait bounded (connect, the server's SETTINGS,
+keepalive PINGs that notice a black-holed control plane within seconds instead of TCP's minutes).
+
+Nothing but the connection preface and our SETTINGS leaves before the server's SETTINGS arrive (and,
+with TLS, before a verified handshake): the request headers carry a bearer token, which is not for
+a peer that has not shown it speaks HTTP/2.
+
+Errors are typed: :class:`schema.rpc.RpcError` for a status the server sent (or an answer that is
+not an RPC), :class:`transport.h2io.TransportError` subclasses for the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import attrs
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import trio
+from h2.errors import ErrorCodes
+
+from schema import framing
+from schema.rpc import Code, RpcError, decode_grpc_message, http_status_to_code
+from transport.h2io import ConnectionLost, H2Stream, H2Transport, PeerUnresponsive, TransportError, peer_text
+
+
+@attrs.frozen
+class CallOptions:
+    """How to reach the server; every wait has a bound."""
+
+    #: CA bundle that signs the server's certificate (``https://``); ``None``: the system store.
+    ca: Path | None = None
+    #: TCP connect plus TLS handshake, and then the server's SETTINGS, each within this many seconds.
+    connect_timeout: float = 5.0
+    #: Seconds between PINGs, and how long an answer may take.
+    keepalive_interval: float = 5.0
+    keepalive_timeout: float = 5.0
+    max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE
+    #: Extra request headers (lower-case names), e.g. ``{"authorization": "Bearer ..."}``.
+    metadata: Mapping[str, str] = attrs.field(factory=dict)
+    user_agent: str = "llmgw"
+
+
+class _CallStream(H2Stream):
+    """The one stream of a call: response head, messages, then the grpc-status trailers."""
+
+    def __init__(self, transport: H2Transport, stream_id: int, max_message_size: int) -> None:
+        super().__init__(transport, stream_id, max_message_size)
+        self.http_status: int | None = None
+        self.status: RpcError | None = None
+        self.status_seen = False
+        self._body = bytearray()
+
+    def on_response(self, headers: dict[str, str]) -> None:
+        self.http_status = int(headers.get(":status", "0") or 0)
+        if self.http_status == 200 and "grpc-status" in headers:
+            self.on_trailers(headers)  # a trailers-only response (a refused call)
+
+    def on_trailers(self, trailers: dict[str, str]) -> None:
+        if "grpc-status" not in trailers:
+            return
+        self.status_seen = True
+        try:
+            code = Code(int(trailers["grpc-status"]))
+        except ValueError:
+            code = Code.UNKNOWN
+        if code is not Code.OK:
+            self.status = RpcError(code, decode_grpc_message(trailers.get("grpc-message", "")))
+
+    def on_data(self, data: bytes, flow_controlled_length: int) -> None:
+        if self.http_status not in (None, 200):
+            # Not an RPC answer (a web server's 404): keep a little of the body for the error.
+            if len(self._body) < 1024:
+                self._body += data[: 1024 - len(self._body)]
+            self._acknowledge(flow_controlled_length)
+            return
+        super().on_data(data, flow_controlled_length)
+
+    def final_status(self) -> RpcError | None:
+        """The error the call ended with (``None``: OK)."""
+        if self.http_status not in (None, 200):
+            text = peer_text(self._body.decode("utf-8", "replace").strip())
+            return RpcError(http_status_to_code(self.http_status or 0), f"HTTP {self.http_status}: {text}")
+        if self.status is not None:
+            return self.status
+        if not self.status_seen:
+            return RpcError(Code.INTERNAL, "server ended the stream without a grpc-status trailer")
+        return None
+
+
+class ServerStreamCall:
+    """An open server-streaming call: :meth:`receive` the messages' bytes until ``None`` (OK)."""
+
+    def __init__(self, st: _CallStream) -> None:
+        self._st = st
+
+    async def receive(self) -> bytes | None:
+        """The next message, or ``None`` once the server ended the call with OK; raises otherwise."""
+        env = await self._st.receive_envelope()
+        if env is None:
+            error = self._st.final_status()
+            if error is not None:
+                raise error
+            return None
+        if env.end_stream or env.compressed:
+            raise RpcError(Code.INTERNAL, "server sent a compressed or end-of-stream envelope in gRPC")
+        return env.payload
+
+
+def _headers(raw: object) -> dict[str, str]:
+    pairs = raw if isinstance(raw, list) else []
+    return {bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1") for k, v in pairs}
+
+
+async def _connect(host: str, port: int, secure: bool, options: CallOptions) -> trio.abc.Stream:
+    try:
+        with trio.fail_after(options.connect_timeout):
+            tcp = await trio.open_tcp_stream(host, port)
+            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not secure:
+                return tcp
+            ctx = ssl.create_default_context(cafile=str(options.ca) if options.ca else None)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.set_alpn_protocols(["h2"])
+            tls = trio.SSLStream(tcp, ctx, server_hostname=host)
+            try:
+                await tls.do_handshake()
+            except BaseException:
+                await trio.aclose_forcefully(tls)
+                raise
+            if tls.selected_alpn_protocol() != "h2":
+                await trio.aclose_forcefully(tls)
+                raise ConnectionLost(f"{host}:{port} did not negotiate HTTP/2 over TLS (ALPN)")
+            return tls
+    except trio.TooSlowError as exc:
+        raise PeerUnresponsive(
+            f"cannot connect to {host}:{port} within {options.connect_timeout:g} s"
+        ) from exc
+    except (OSError, trio.BrokenResourceError) as exc:
+        cause = exc.__cause__ or exc
+        raise ConnectionLost(f"cannot connect to {host}:{port}: {cause}") from exc
+
+
+async def _read_loop(transport: H2Transport, st: _CallStream, settled: trio.Event) -> None:
+    """The connection's only reader; it records failures on the transport and never raises."""
+    while transport.error is None:
+        try:
+            events = await transport.receive_events()
+        except TransportError:
+            return
+        except h2.exceptions.ProtocolError as exc:
+            transport.fail(ConnectionLost(f"HTTP/2 protocol error from the server: {exc}"))
+            await transport.abort()
+            return
+        for event in events:
+            if isinstance(event, h2.events.RemoteSettingsChanged):
+                settled.set()
+            if isinstance(event, h2.events.ResponseReceived) and event.stream_id == st.stream_id:
+                st.on_response(_headers(event.headers))
+            elif isinstance(event, h2.events.TrailersReceived) and event.stream_id == st.stream_id:
+                st.on_trailers(_headers(event.headers))
+            else:
+                transport.handle_common(event)
+        try:
+            await transport.flush()
+        except TransportError:
+            return
+
+
+@asynccontextmanager
+async def server_stream(
+    url: str, path: str, request: bytes, options: CallOptions | None = None
+) -> AsyncIterator[ServerStreamCall]:
+    """Call the server-streaming method at ``path`` on ``url`` (``http://`` or ``https://``) with
+    one ``request`` message; leaving the block cancels the call and closes the connection."""
+    options = options or CallOptions()
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"server URL {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    secure = parts.scheme == "https"
+    host, port = parts.hostname, parts.port or (443 if secure else 80)
+    stream = await _connect(host, port, secure, options)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    conn.initiate_connection()
+    transport = H2Transport(stream, conn)
+    stream_id = conn.get_next_available_stream_id()
+    st = _CallStream(transport, stream_id, options.max_message_size)
+    settled = trio.Event()
+    # The reader and the keepalive never raise (they record failures on the transport), so whatever
+    # leaves the nursery is the caller's or the setup's own error: it is raised as itself, not in an
+    # ExceptionGroup, so the caller can catch RpcError and TransportError.
+    caught: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                nursery.start_soon(_read_loop, transport, st, settled)
+                await transport.flush()
+                with trio.move_on_after(options.connect_timeout):
+                    await settled.wait()
+                if transport.error is not None:
+                    raise transport.error
+                if not settled.is_set():
+                    raise PeerUnresponsive(
+                        f"{host}:{port} did not answer the HTTP/2 connection preface within "
+                        f"{options.connect_timeout:g} s (nothing else was sent)"
+                    )
+                headers = [
+                    (":method", "POST"),
+                    (":scheme", "https" if secure else "http"),
+                    (":path", path),
+                    (":authority", f"{host}:{port}"),
+                    ("content-type", "application/grpc+proto"),
+                    ("te", "trailers"),
+                    ("user-agent", options.user_agent),
+                    *((k.lower(), v) for k, v in options.metadata.items()),
+                ]
+                conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
+                await st.send_data(framing.encode(request, 0, options.max_message_size), end_stream=True)
+                nursery.start_soon(transport.keepalive, options.keepalive_interval, options.keepalive_timeout)
+                try:
+                    yield ServerStreamCall(st)
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        if not st.remote_ended:
+                            await st.reset(ErrorCodes.CANCEL)
+                        if transport.error is None:
+                            await transport.goaway(ErrorCodes.NO_ERROR)
+                    nursery.cancel_scope.cancel()
+            except BaseException as exc:
+                caught = exc
+                nursery.cancel_scope.cancel()
+    finally:
+        await trio.aclose_forcefully(stream)
+    if caught is not None:
+        raise caught
