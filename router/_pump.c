@@ -110,12 +110,54 @@ typedef struct {
 
 /* ---- the chunked-body scanner ------------------------------------------------------------- */
 
-/* Parses a chunk-size line (without its \n): hex digits, optional whitespace, optional ";ext".
- * Returns 0 and sets *size, or -1. */
+/* Chunked framing, the rules of router/framing.py (ChunkedScanner) and no others; the two are
+ * held to the same results by tests/test_framing_differential.py (run through scan_chunked):
+ *   chunk-line   = 1*15HEXDIG *( BWS ";" BWS token [ BWS "=" BWS ( token / quoted-string ) ] ) OWS CRLF
+ *   after a chunk's data: exactly CRLF
+ *   trailer-line = token ":" *( any byte but CR, LF, NUL ) CRLF, the section ended by an empty line
+ * Every line ends in CRLF (a bare LF is malformed) and is at most MAX_LINE bytes before its LF. */
+#define MAX_SIZE_DIGITS 15
+
+static int is_ws(char c) { return c == ' ' || c == '\t'; }
+
+static int is_tchar(unsigned char c) {
+    if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) return 1;
+    return c && strchr("!#$%&'*+-.^_`|~", c) != NULL;
+}
+
+static size_t skip_ws(const char *s, size_t i, size_t n) {
+    while (i < n && is_ws(s[i])) i++;
+    return i;
+}
+
+static size_t skip_token(const char *s, size_t i, size_t n) {
+    while (i < n && is_tchar((unsigned char)s[i])) i++;
+    return i;
+}
+
+/* A quoted-string from s[i] (a DQUOTE): the index after its closing DQUOTE, or 0 if malformed. */
+static size_t skip_quoted(const char *s, size_t i, size_t n) {
+    for (i++; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"') return i + 1;
+        if (c == '\\') {
+            if (++i >= n) return 0;
+            c = (unsigned char)s[i];
+            if (!(c == '\t' || (c >= 0x20 && c != 0x7f))) return 0;
+        } else if (!(c == '\t' || (c >= 0x20 && c != 0x7f))) {
+            return 0;
+        }
+    }
+    return 0;
+}
+
+/* Parses a chunk line s[0..n) (the bytes before its LF, its CR last). Returns 0 and sets *size,
+ * or -1. */
 static int parse_size(const char *s, size_t n, uint64_t *size) {
-    size_t i = 0, digits = 0;
+    if (!n || s[n - 1] != '\r') return -1;
+    n--; /* the CR */
+    size_t i = 0;
     uint64_t v = 0;
-    while (i < n && (s[i] == ' ' || s[i] == '\t')) i++;
     for (; i < n; i++) {
         char c = s[i];
         int d;
@@ -123,47 +165,76 @@ static int parse_size(const char *s, size_t n, uint64_t *size) {
         else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
         else if (c >= 'A' && c <= 'F') d = c - 'A' + 10;
         else break;
-        if (++digits > 15) return -1;
+        if (i >= MAX_SIZE_DIGITS) return -1;
         v = v * 16 + (uint64_t)d;
     }
-    if (!digits) return -1;
-    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) i++;
-    if (i < n && s[i] != ';') return -1;
+    if (!i) return -1;
+    for (;;) { /* extensions, then the optional whitespace before the CR */
+        i = skip_ws(s, i, n);
+        if (i == n) break;
+        if (s[i] != ';') return -1;
+        i = skip_ws(s, i + 1, n);
+        size_t e = skip_token(s, i, n);
+        if (e == i) return -1;
+        i = e;
+        size_t k = skip_ws(s, i, n);
+        if (k < n && s[k] == '=') {
+            i = skip_ws(s, k + 1, n);
+            if (i < n && s[i] == '"') {
+                e = skip_quoted(s, i, n);
+                if (!e) return -1;
+            } else {
+                e = skip_token(s, i, n);
+                if (e == i) return -1;
+            }
+            i = e;
+        }
+    }
     *size = v;
     return 0;
 }
 
-static int blank(const char *s, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (s[i] != ' ' && s[i] != '\t' && s[i] != '\r') return 0;
+/* A trailer line s[0..n) (before its LF): a token, a colon, a value without CR or NUL, the CR. */
+static int good_trailer(const char *s, size_t n) {
+    if (!n || s[n - 1] != '\r') return 0;
+    n--;
+    size_t i = skip_token(s, 0, n);
+    if (!i || i == n || s[i] != ':') return 0;
+    for (i++; i < n; i++)
+        if (s[i] == '\r' || s[i] == 0) return 0;
     return 1;
 }
 
-static void bad_size(char *err, size_t cap, const char *s, size_t n) {
-    char shown[24];
-    size_t k = n < 20 ? n : 20;
+static void bad_line(char *err, size_t cap, const char *what, const char *s, size_t n) {
+    char shown[44];
+    size_t k = n < 40 ? n : 40;
     for (size_t i = 0; i < k; i++) shown[i] = (s[i] >= 32 && s[i] < 127) ? s[i] : '?';
     shown[k] = 0;
-    snprintf(err, cap, "bad chunk size '%s'", shown);
+    snprintf(err, cap, "%s '%s'", what, shown);
 }
 
 /* How many bytes of data belong to the body; -1 with err set on a malformed chunk. */
 static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap) {
     size_t i = 0;
     while (i < n) {
-        if (j->state == S_DATA || j->state == S_CRLF) {
+        if (j->state == S_DATA) {
             size_t take = n - i;
             if (take > j->remaining) take = (size_t)j->remaining;
             i += take;
             j->remaining -= take;
             if (!j->remaining) {
-                if (j->state == S_DATA) {
-                    j->state = S_CRLF;
-                    j->remaining = 2;
-                } else {
-                    j->state = S_SIZE;
-                }
+                j->state = S_CRLF;
+                j->remaining = 2;
             }
+            continue;
+        }
+        if (j->state == S_CRLF) { /* remaining 2: the CR is next, 1: the LF */
+            if (data[i] != (j->remaining == 2 ? '\r' : '\n')) {
+                bad_line(err, cap, "chunk data not followed by CRLF:", data + i, 1);
+                return -1;
+            }
+            i++;
+            if (!--j->remaining) j->state = S_SIZE;
             continue;
         }
         if (j->state == S_DONE) return (ssize_t)i;
@@ -173,7 +244,7 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
         size_t len;
         if (!nl) {
             if (j->line_len + (n - i) > MAX_LINE) {
-                snprintf(err, cap, "chunk header line too long");
+                snprintf(err, cap, "chunk line over %d bytes", MAX_LINE);
                 return -1;
             }
             memcpy(j->line + j->line_len, data + i, n - i);
@@ -181,11 +252,11 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
             return (ssize_t)n;
         }
         size_t part = (size_t)(nl - (data + i));
+        if (j->line_len + part > MAX_LINE) {
+            snprintf(err, cap, "chunk line over %d bytes", MAX_LINE);
+            return -1;
+        }
         if (j->line_len) {
-            if (j->line_len + part > MAX_LINE) {
-                snprintf(err, cap, "chunk header line too long");
-                return -1;
-            }
             memcpy(j->line + j->line_len, data + i, part);
             line = j->line;
             len = j->line_len + part;
@@ -198,7 +269,7 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
         if (j->state == S_SIZE) {
             uint64_t size;
             if (parse_size(line, len, &size) < 0) {
-                bad_size(err, cap, line, len);
+                bad_line(err, cap, "bad chunk size line", line, len);
                 return -1;
             }
             if (size) {
@@ -207,9 +278,12 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
             } else {
                 j->state = S_TRAILER;
             }
-        } else if (blank(line, len)) { /* the empty line after the (usually absent) trailers */
+        } else if (len == 1 && line[0] == '\r') { /* the empty line after the (usually absent) trailers */
             j->state = S_DONE;
             return (ssize_t)i;
+        } else if (!good_trailer(line, len)) {
+            bad_line(err, cap, "bad trailer line", line, len);
+            return -1;
         }
     }
     return (ssize_t)i;
@@ -812,17 +886,29 @@ static PyObject *result_tuple(const result_t *r) {
                          r->err, r->sent_at);
 }
 
+/* The scanner's state as Python's ChunkedScanner.snapshot() gives it: (state, remaining, line). */
+static PyObject *scan_state(const job_t *j) {
+    return Py_BuildValue("(iKy#)", j->state, (unsigned long long)j->remaining, j->line, (Py_ssize_t)j->line_len);
+}
+
 static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
     long value = PyLong_AsLong(arg);
     if (value == -1 && PyErr_Occurred()) return NULL;
     int up_fd = value < 0 || value > INT32_MAX ? -1 : (int)value;
     double sent_at = 0;
     result_t ended;
-    int found = 0;
+    int found = 0, had_job = 0;
+    job_t state = {0}; /* the withdrawn job's scanner state, copied out under the lock */
     lock_from_python(p);
     if (up_fd >= 0 && (size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) {
-        sent_at = p->jobs[up_fd]->sent_at;
-        drop(p, p->jobs[up_fd]);
+        job_t *j = p->jobs[up_fd];
+        sent_at = j->sent_at;
+        state.state = j->in_head ? S_SIZE : j->state;
+        state.remaining = j->in_head ? 0 : j->remaining;
+        state.line_len = j->in_head ? 0 : j->line_len;
+        memcpy(state.line, j->line, state.line_len);
+        had_job = 1;
+        drop(p, j);
     }
     size_t k = 0;
     for (size_t i = 0; i < p->results_len; i++) {
@@ -839,11 +925,19 @@ static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
     }
     p->results_len = k;
     pthread_mutex_unlock(&p->mu);
-    if (!found) return Py_BuildValue("(dO)", sent_at, Py_None);
+    PyObject *where = had_job ? scan_state(&state) : Py_NewRef(Py_None);
+    if (!where) {
+        if (found) free(ended.data);
+        return NULL;
+    }
+    if (!found) return Py_BuildValue("(dON)", sent_at, Py_None, where);
     PyObject *t = result_tuple(&ended);
     free(ended.data);
-    if (!t) return NULL;
-    return Py_BuildValue("(dN)", ended.sent_at, t);
+    if (!t) {
+        Py_DECREF(where);
+        return NULL;
+    }
+    return Py_BuildValue("(dNN)", ended.sent_at, t, where);
 }
 
 static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
@@ -903,7 +997,8 @@ static PyMethodDef Pump_methods[] = {
      "respond(up_fd, client_fd, suffix): relay a response from its head (or hand the head back)"},
     {"withdraw", (PyCFunction)Pump_withdraw, METH_O,
      "withdraw(up_fd) -> (when the job's response head went out (0.0: it had not, or no job), "
-     "its result if it had ended and the result was not collected yet, else None)"},
+     "its result if it had ended and the result was not collected yet, else None, "
+     "its chunk scanner's (state, remaining, line) if it was running, else None)"},
     {"collect", (PyCFunction)Pump_collect, METH_NOARGS,
      "collect() -> [(up_fd, code, extra, message, data, errno, sent_at)] for the jobs that ended"},
     {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "stats() -> (streams, blocked on a slow client)"},
@@ -943,7 +1038,40 @@ static PyObject *module_client_head(PyObject *Py_UNUSED(m), PyObject *args) {
     return r;
 }
 
+/* scan(), the pump thread's own scanner, on a job of its own: for the differential test. */
+static PyObject *module_scan_chunked(PyObject *Py_UNUSED(m), PyObject *args) {
+    int state;
+    unsigned long long remaining;
+    const char *line, *data;
+    Py_ssize_t line_len, n;
+    if (!PyArg_ParseTuple(args, "iKy#y#", &state, &remaining, &line, &line_len, &data, &n)) return NULL;
+    if (state < S_SIZE || state > S_DONE || line_len > MAX_LINE ||
+        (line_len && state != S_SIZE && state != S_TRAILER)) {
+        PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
+        return NULL;
+    }
+    job_t *j = calloc(1, sizeof *j);
+    if (!j) return PyErr_NoMemory();
+    j->state = state;
+    j->remaining = remaining;
+    memcpy(j->line, line, (size_t)line_len);
+    j->line_len = (size_t)line_len;
+    char err[120] = "";
+    ssize_t used;
+    Py_BEGIN_ALLOW_THREADS
+    used = scan(j, data, (size_t)n, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    PyObject *where = scan_state(j);
+    free(j);
+    if (!where) return NULL;
+    if (used < 0) return Py_BuildValue("(nNs)", (Py_ssize_t)-1, where, err);
+    return Py_BuildValue("(nNO)", (Py_ssize_t)used, where, Py_None);
+}
+
 static PyMethodDef module_methods[] = {
+    {"scan_chunked", module_scan_chunked, METH_VARARGS,
+     "scan_chunked(state, remaining, line, data) -> (bytes of data in the body or -1, "
+     "(state, remaining, line) after, the error or None): the pump thread's chunk scanner, for tests"},
     {"client_head", module_client_head, METH_VARARGS,
      "client_head(head, suffix) -> (client head, engine keeps the connection) or None: what the "
      "thread writes for an engine head (without its blank line), for tests"},

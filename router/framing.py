@@ -5,6 +5,8 @@ One definition of each framing rule for the router's Python paths; the native re
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -99,12 +101,42 @@ def parse_response_head(buf: bytes | bytearray) -> tuple[ResponseHead, int] | No
     return head, end + 4
 
 
+# Chunked framing (RFC 9112 §7.1), decided once for both scanners (this one and _pump.c's scan):
+#   chunk-line   = 1*15HEXDIG *( BWS ";" BWS token [ BWS "=" BWS ( token / quoted-string ) ] ) OWS CRLF
+#   after a chunk's data: exactly CRLF
+#   trailer-line = token ":" *( any byte but CR, LF, NUL ) CRLF, the section ended by an empty line
+# Every line ends in CRLF: a bare LF is malformed (RFC 9112 §2.2 lets a recipient accept one; the
+# bytes go on to the client as they are, and a client that reads lines otherwise would be framed
+# differently). The optional whitespace before the CRLF is what h11 takes too. A line is at most
+# MAX_CHUNK_LINE bytes before its LF; a size is at most 15 hex digits (leading zeros count), so
+# that it fits 60 bits in C with room to add.
+MAX_CHUNK_LINE = 4096
+MAX_SIZE_DIGITS = 15
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+_EXT = rb"[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?"
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,%d})(?:%s)*[ \t]*\r" % (MAX_SIZE_DIGITS, _EXT))
+_TRAILER_LINE = re.compile(_TOKEN + rb":[^\r\n\x00]*\r")
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size on a chunk line (``line``: the bytes before its LF)."""
+    match = _CHUNK_LINE.fullmatch(line)
+    if match is None:
+        raise UpstreamBroken(f"bad chunk size line {line[:40]!r}: expected hex digits, extensions, CRLF")
+    return int(match[1], 16)
+
+
 class ChunkedScanner:
-    """Finds where a chunked body ends, without copying or decoding it.
+    """Finds where a chunked body ends, without copying or decoding it, and checks its framing
+    (the rules above; ``UpstreamBroken`` on a malformed body).
 
     ``feed(data)`` returns how many bytes of ``data`` belong to the body (all of it until the last
     chunk and trailers arrive); ``done`` turns true at the end. With ``decode=True`` the chunk
-    payloads are also collected in ``payloads`` (for clients that cannot take chunked framing)."""
+    payloads are also collected in ``payloads`` (for clients that cannot take chunked framing).
+    The native pump's scanner (``router/_pump.c``, ``scan``) is the same state machine with the
+    same state (``snapshot``/``resume``), held to the same results by
+    tests/test_framing_differential.py."""
 
     _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
 
@@ -112,8 +144,21 @@ class ChunkedScanner:
         self.decode = decode
         self.payloads: list[bytes] = []
         self._state = self._SIZE
-        self._remaining = 0
+        self._remaining = 0  # bytes left in the chunk's data, or of its CRLF (2: CR next, 1: LF)
         self._line = b""
+
+    @classmethod
+    def resume(cls, state: int, remaining: int, line: bytes) -> ChunkedScanner:
+        """A scanner that goes on from ``snapshot``'s values (the native pump's, handed back)."""
+        scanner = cls()
+        scanner.restore(state, remaining, line)
+        return scanner
+
+    def restore(self, state: int, remaining: int, line: bytes) -> None:
+        """Take over ``snapshot``'s values: where another scanner (the native pump's) stopped."""
+        if not self._SIZE <= state <= self._DONE or remaining < 0 or len(line) > MAX_CHUNK_LINE:
+            raise ValueError(f"bad scanner state {(state, remaining, len(line))}")
+        self._state, self._remaining, self._line = state, remaining, bytes(line)
 
     @property
     def done(self) -> bool:
@@ -137,14 +182,20 @@ class ChunkedScanner:
                 # Fast path, the usual case: a whole size line and often the whole chunk is here.
                 nl = data.find(b"\n", i)
                 if nl < 0:
-                    self._line = data[i:]
+                    self._partial(data[i:])
                     return n
-                size = self._size(data[i:nl])
+                line = data[i:nl]
+                if len(line) > MAX_CHUNK_LINE:
+                    raise UpstreamBroken(f"chunk line over {MAX_CHUNK_LINE} bytes")
+                size = _chunk_size(line)
                 i = nl + 1
                 if not size:
                     self._state = self._TRAILER
                 elif i + size + 2 <= n and not self.decode:
-                    i += size + 2  # the payload and its CRLF, skipped in one step
+                    i += size
+                    if data[i : i + 2] != b"\r\n":
+                        raise UpstreamBroken(f"chunk data not followed by CRLF: {data[i : i + 2]!r}")
+                    i += 2  # the payload and its CRLF, checked and skipped in one step
                 else:
                     self._state, self._remaining = self._DATA, size
             elif state == self._DATA:
@@ -156,9 +207,11 @@ class ChunkedScanner:
                 if self._remaining == 0:
                     self._state, self._remaining = self._CRLF, 2
             elif state == self._CRLF:
-                take = min(self._remaining, n - i)
-                i += take
-                self._remaining -= take
+                want = 13 if self._remaining == 2 else 10  # CR, then LF
+                if data[i] != want:
+                    raise UpstreamBroken(f"chunk data not followed by CRLF: {data[i : i + 1]!r}")
+                i += 1
+                self._remaining -= 1
                 if self._remaining == 0:
                     self._state = self._SIZE
             elif state == self._DONE:
@@ -166,29 +219,27 @@ class ChunkedScanner:
             else:  # a size line split across reads, or a trailer line
                 nl = data.find(b"\n", i)
                 if nl < 0:
-                    self._line += data[i:]
-                    if len(self._line) > 4096:
-                        raise UpstreamBroken("chunk header line too long")
+                    self._partial(self._line + data[i:])
                     return n
                 line = self._line + data[i:nl]
                 self._line = b""
+                if len(line) > MAX_CHUNK_LINE:
+                    raise UpstreamBroken(f"chunk line over {MAX_CHUNK_LINE} bytes")
                 i = nl + 1
                 if state == self._SIZE:
-                    size = self._size(line)
+                    size = _chunk_size(line)
                     if size:
                         self._state, self._remaining = self._DATA, size
                     else:
                         self._state = self._TRAILER
-                elif not line.strip():  # the empty line after the (usually absent) trailers
+                elif line == b"\r":  # the empty line after the (usually absent) trailers
                     self._state = self._DONE
                     return i
+                elif _TRAILER_LINE.fullmatch(line) is None:
+                    raise UpstreamBroken(f"bad trailer line {line[:40]!r}: expected name: value CRLF")
         return i
 
-    @staticmethod
-    def _size(line: bytes) -> int:
-        if b";" in line:
-            line = line.split(b";", 1)[0]
-        try:
-            return int(line, 16)  # int() takes bytes and ignores the \r and spaces around the digits
-        except ValueError:
-            raise UpstreamBroken(f"bad chunk size {line[:20]!r}") from None
+    def _partial(self, line: bytes) -> None:
+        if len(line) > MAX_CHUNK_LINE:
+            raise UpstreamBroken(f"chunk line over {MAX_CHUNK_LINE} bytes")
+        self._line = line

@@ -70,7 +70,8 @@ MAX_EVENTS = 512  # per wake-up; the rest wait for the next round, after other t
 
 class Scanner(Protocol):
     """What the pumps need from a body framing scanner (``router.ChunkedScanner``): the Python
-    pump feeds it; the native one takes its state over (and does not hand it back)."""
+    pump feeds it; the native one takes its state over, and hands it back (``restore``) when
+    the relay is withdrawn, so that the scanner says where the client's body stopped."""
 
     @property
     def done(self) -> bool: ...
@@ -78,6 +79,8 @@ class Scanner(Protocol):
     def feed(self, data: bytes) -> int: ...
 
     def snapshot(self) -> tuple[int, int, bytes]: ...
+
+    def restore(self, state: int, remaining: int, line: bytes) -> None: ...
 
 
 class Pump(Protocol):
@@ -207,20 +210,26 @@ class NativeRelayPump:
         return self._native.counters() if self._native is not None else (0, 0, 0)
 
     async def relay(self, up: socket.socket, client_fd: int, scanner: Scanner) -> bool:
-        """As ``PythonRelayPump.relay``; ``scanner``'s state moves to the thread and the object
-        itself is left behind as it was."""
+        """As ``PythonRelayPump.relay``; ``scanner``'s state moves to the thread, and comes back
+        into ``scanner`` when the relay is cancelled (where the body stopped, for the router's
+        stall handling); a relay that ended leaves the object as it was."""
         native = self._native
         if native is None:
             raise RelayClosed("the relay pump is not running")
         up_fd = up.fileno()
         native.add(up_fd, client_fd, *scanner.snapshot())
-        code, extra, message, _, _, _ = await self._wait(native, up_fd)
+        code, extra, message, _, _, _ = await self._wait(native, up_fd, scanner=scanner)
         if code != _pump.DONE:
             raise (EngineClosed if code == _pump.ENGINE else ClientGone)(message)
         return not extra
 
     async def respond(
-        self, up: socket.socket, client_fd: int, suffix: bytes, on_head: Callable[[float], None]
+        self,
+        up: socket.socket,
+        client_fd: int,
+        suffix: bytes,
+        on_head: Callable[[float], None],
+        scanner: Scanner | None = None,
     ) -> Response:
         """Relay a whole response from its head: the engine's head, rewritten for the client
         with ``suffix`` (the router's own headers and the blank line) appended, then the body,
@@ -230,13 +239,14 @@ class NativeRelayPump:
         ``relay``. The router's own code then runs once per streamed request, not twice: no
         wake-up of its task for the head, and the first token goes out with it when it came
         along. ``on_head(sent_at)`` (``time.monotonic`` seconds) is called once if the head went
-        out, however the response ends: completed, failed, or cancelled (the client left)."""
+        out, however the response ends: completed, failed, or cancelled (the client left).
+        ``scanner``, if given, gets the body's chunk state when the response is cancelled."""
         native = self._native
         if native is None:
             raise RelayClosed("the relay pump is not running")
         up_fd = up.fileno()
         native.respond(up_fd, client_fd, suffix)
-        code, extra, message, data, errno, sent_at = await self._wait(native, up_fd, on_head)
+        code, extra, message, data, errno, sent_at = await self._wait(native, up_fd, on_head, scanner)
         if sent_at:
             on_head(sent_at)
         if code == _pump.DONE:
@@ -248,10 +258,15 @@ class NativeRelayPump:
         raise (EngineClosed if code == _pump.ENGINE else ClientGone)(message)
 
     async def _wait(
-        self, native: _pump.Pump, up_fd: int, on_head: Callable[[float], None] | None = None
+        self,
+        native: _pump.Pump,
+        up_fd: int,
+        on_head: Callable[[float], None] | None = None,
+        scanner: Scanner | None = None,
     ) -> tuple[int, bool, str, bytes | None, int, float]:
         """Park the calling task until the thread reports on ``up_fd``'s job; when the task is
-        cancelled instead, ``on_head`` learns when the job's head went out, if it did.
+        cancelled instead, ``on_head`` learns when the job's head went out, if it did, and
+        ``scanner`` takes the thread's chunk state back.
 
         A job that ended before the cancellation came, its result not collected yet, returns
         that result: the cancellation is not lost (it is raised at the task's next checkpoint),
@@ -263,7 +278,9 @@ class NativeRelayPump:
 
         def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
             self._parked.pop(up_fd, None)
-            sent_at, ended = native.withdraw(up_fd)
+            sent_at, ended, state = native.withdraw(up_fd)
+            if state is not None and scanner is not None:
+                scanner.restore(*state)
             if ended is not None:
                 trio.lowlevel.reschedule(task, outcome.Value(ended))
                 return trio.lowlevel.Abort.FAILED

@@ -812,7 +812,8 @@ class Router:
             close=not ex.request.keep_alive,
         )
         pump = cast(NativeRelayPump, self.pump)
-        ex.at_chunk_end = _whole_engine_chunks
+        scanner = ChunkedScanner()  # where the body stopped, handed back if the pump is withdrawn
+        ex.at_chunk_end = lambda: scanner.at_chunk_end
 
         def head_out(sent_at: float) -> None:
             ex.head_sent = ex.ttfb_done = True
@@ -820,7 +821,7 @@ class Router:
             self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - sent_at))
 
         try:
-            answer = await pump.respond(conn.sock, ex.fd, suffix, head_out)
+            answer = await pump.respond(conn.sock, ex.fd, suffix, head_out, scanner)
         except EngineClosed as exc:  # after the head, or a malformed first chunk with it
             self.balancer.succeeded(upstream)
             self.metrics.upstream_error(upstream, "mid_stream")
@@ -938,9 +939,9 @@ class Router:
         scanner = ChunkedScanner()
         used = scanner.feed(buf) if buf else 0
         extra = used < len(buf)
-        # The Python pump feeds this scanner as it relays; the native one takes its state over.
-        native = isinstance(self.pump, NativeRelayPump)
-        ex.at_chunk_end = _whole_engine_chunks if native else lambda: scanner.at_chunk_end
+        # The Python pump feeds this scanner as it relays; the native one takes its state over
+        # and hands it back when the relay is withdrawn (a stalled engine, see _timed_out).
+        ex.at_chunk_end = lambda: scanner.at_chunk_end
         await self._write(ex, out + buf[:used])
         if not scanner.done:
             try:
@@ -994,14 +995,8 @@ class Router:
 
 
 def _whole_engine_chunks() -> bool:
-    """Whether a client's chunked body, relayed as it came, ends with a whole chunk now that its
-    engine fell silent, where no scanner state is at hand: the native pump's thread keeps its
-    own (``router/_pump.c``) and does not hand it back. Taken as true: engines write each SSE
-    event as one chunk in one write, the silence has lasted the whole idle timeout with the
-    engine's socket drained and the client's writable, so everything the engine wrote has gone
-    through. Should an engine have stopped inside a chunk, the error event lands inside it and
-    the connection is closed after, which the client sees as a broken body: an error either
-    way, never a hang."""
+    """Whether a client's chunked body ends with a whole chunk: always, where this task writes
+    each chunk whole (an engine body that ends by closing, chunk-encoded here)."""
     return True
 
 

@@ -19,20 +19,12 @@ import trio.testing
 from router import relay as relay_module
 from router.framing import ChunkedScanner
 from router.relay import ClientGone, EngineClosed, Pump, make_pump
+from tests.support import apoll as until  # the native pump works in its own thread: poll it
 
 
 @pytest.fixture
 def make(relay_kind: str) -> Callable[[], Pump]:
     return lambda: make_pump(relay_kind)
-
-
-async def until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``check`` (the native pump works in its own thread) until true or the deadline."""
-    deadline = trio.current_time() + timeout
-    while not check():
-        if trio.current_time() > deadline:
-            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        await trio.sleep(0.005)  # poll interval; the deadline above bounds the wait
 
 
 def chunked(events: int, size: int) -> bytes:
@@ -259,6 +251,62 @@ async def test_a_bad_chunk_size_fails_the_relay(
     with pytest.raises(Exception, match=r"bad chunk size .*zz"), trio.fail_after(10):
         await pump.relay(up, down.fileno(), ChunkedScanner())
     assert pump.stats() == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("sent", "error"),
+    [
+        (b"5\r\nhelloXY", r"chunk data not followed by CRLF"),  # bytes other than CRLF after data
+        (b"0x5\r\nhello\r\n", r"bad chunk size"),  # a hex prefix, which int(x, 16) took
+        (b"-5\r\nhello\r\n", r"bad chunk size"),  # a negative size, which moved the scan back
+        (b"5\nhello\r\n", r"bad chunk size"),  # a bare LF
+    ],
+)
+async def test_malformed_chunks_fail_the_relay_and_reach_no_client(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], make: Callable[[], Pump], sent: bytes, error: str
+) -> None:
+    """Both pumps refuse what RFC 9112 does not allow, before a byte of the read that carried it
+    goes to the client; the router then ends the client's stream with an error."""
+    engine, up, down, client = pairs
+    pump = make()
+    await nursery.start(pump.run)
+    engine.send(sent + b"0\r\n\r\nHTTP/1.1 200 OK\r\n")  # and what looks like another response
+    with pytest.raises(Exception, match=error), trio.fail_after(10):
+        await pump.relay(up, down.fileno(), ChunkedScanner())
+    assert pump.stats() == (0, 0)
+    with pytest.raises(BlockingIOError):
+        client.recv(100)
+
+
+async def test_a_withdrawn_relay_hands_its_chunk_state_back(
+    nursery: trio.Nursery, pairs: tuple[socket.socket, ...], make: Callable[[], Pump]
+) -> None:
+    """A relay cancelled inside a chunk (the engine stalled mid-event) leaves the scanner saying
+    so, with either pump: the native one hands its thread's state back on withdrawal, so the
+    router does not write an error event into the middle of a chunk."""
+    engine, up, down, client = pairs
+    pump = make()
+    await nursery.start(pump.run)
+    scanner = ChunkedScanner()
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(pump.relay, up, down.fileno(), scanner)
+            engine.send(b"3\r\nabc\r\nc;x=1\r\nhel")
+            assert await read_until(client, b"hel") == b"3\r\nabc\r\nc;x=1\r\nhel"
+            scope.cancel()
+    assert scanner.snapshot() == (1, 9, b"") and not scanner.at_chunk_end
+    assert pump.stats() == (0, 0)
+
+    # The relay resumes from the state handed back, as the router's next relay would.
+    for sent, state in ((b"lo, world\r\n4\r", (0, 0, b"4\r")), (b"\nabcd\r\n", (0, 0, b""))):
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(pump.relay, up, down.fileno(), scanner)
+                engine.send(sent)
+                assert await read_until(client, sent) == sent
+                scope.cancel()
+        assert scanner.snapshot() == state
+    assert scanner.at_chunk_end
 
 
 def test_asking_for_a_pump_by_name() -> None:
