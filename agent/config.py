@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.metadata
 import ipaddress
 import os
 import re
@@ -32,6 +33,8 @@ from cattrs.v import format_exception
 from agent.discovery.model import FabricAttachment
 from agent.engines import ENGINES
 from schema.ids import NODE_ID, NODE_ID_RULE
+from telemetry.http import parse_listen
+from telemetry.logs import LogSettings, LogSettingsError, add_log_arguments, log_settings
 
 ENV_PREFIX = "LLMGW_AGENT_"
 DEFAULT_CONFIG = Path("/etc/llmgw/agent.toml")
@@ -154,6 +157,14 @@ def _known_engines(_: object, attribute: attrs.Attribute[dict[str, str]], value:
             raise FieldProblem((attribute.name, name), f"{attribute.name}: {problem}")
 
 
+def _listen_address(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value:
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            raise FieldProblem((attribute.name,), f"{attribute.name} {exc}") from None
+
+
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be greater than 0, got {value}")
@@ -231,6 +242,9 @@ class AgentConfig:
     #: container runtime (``docker run -p ...`` as the engine's command), whose published port is held
     #: by the runtime's proxy, not by a process the agent started.
     verify_listener: bool = True
+    #: ``/healthz`` and ``/metrics`` (``agent.metrics``) on this address; empty (the default): off.
+    #: A port alone listens on loopback: the admin port is local unless an interface is named.
+    metrics_listen: str = attrs.field(default="", validator=_listen_address)
 
     def __attrs_post_init__(self) -> None:
         if not self.node_id.strip():
@@ -464,16 +478,116 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
 
+#: One line per setting for ``--help``; the flag, the variable and the default are added from the
+#: field itself (:func:`setting_help`), so the text cannot name a variable or default that is not
+#: the real one. A field without a line here fails ``build_parser``, and so the tests.
+FIELD_HELP: dict[str, str] = {
+    "node_id": "this node's name in the fleet: letters, digits, '.', '_', '-'",
+    "server": "the control plane's agent endpoint: http://, https://, ws:// or wss:// URL",
+    "hostname": "the host name reported to the control plane",
+    "mgmt_addr": "address the router and other nodes reach this node's engines on",
+    "labels": "node labels for placement, KEY=VALUE,KEY=VALUE",
+    "mgmt_interface": "network interface NCCL and Gloo bootstrap over for multi-node replicas",
+    "fabrics": "GPU fabrics this node is attached to, FABRIC:HCA[:PORT],... (port 1 when left out)",
+    "heartbeat_interval": "seconds between heartbeats",
+    "reconnect_base": "first reconnect delay in seconds (doubled per failed attempt, jittered)",
+    "reconnect_max": "longest reconnect delay in seconds",
+    "settings_timeout": "seconds to wait for the server's HTTP/2 SETTINGS before giving up an attempt",
+    "protocol": "wire protocol on http(s) URLs: grpc or connect",
+    "tls_ca": "CA file that signs the control plane's certificate (https, wss)",
+    "tls_cert": "client certificate for mutual TLS (with --tls-key)",
+    "tls_key": "private key of --tls-cert",
+    "token": "join token, for control planes without mutual TLS (keep it out of ps: use the variable)",
+    "state_dir": "where shard records, the node credential and (by default) engine logs live",
+    "log_dir": "engine log files",
+    "engines": "engine command lines, ENGINE=COMMAND;ENGINE=COMMAND (semicolons: commands hold spaces)",
+    "inventory": "a static GPU inventory file (TOML) instead of NVML / nvidia-smi discovery",
+    "stop_grace": "seconds between SIGTERM and SIGKILL when stopping an engine",
+    "engine_ports": "ports engines may listen on, FIRST-LAST",
+    "engine_host": "address engines bind to (0.0.0.0: every interface)",
+    "log_max_bytes": "an engine's log is rotated past this many bytes",
+    "log_generations": "rotated engine logs kept (SHARD.log.1 the newest); 0 keeps none",
+    "liveness_period": "seconds between liveness probes of a READY engine",
+    "liveness_timeout": "seconds one liveness probe may take",
+    "liveness_failures": "failed liveness probes in a row that make a shard UNHEALTHY",
+    "verify_listener": "readiness counts only a port held by the engine's own processes (true/false; "
+    "false for engines run through a container runtime)",
+    "metrics_listen": "serve /healthz and /metrics on [HOST:]PORT (no host: loopback)",
+}
+
+#: Defaults that are computed, said in words rather than as one machine's value.
+_DEFAULT_WORDS: dict[str, str] = {
+    "node_id": "the host name",
+    "server": "none: required",
+    "hostname": "the host name",
+    "mgmt_addr": "the local address that reaches the server",
+    "log_dir": "STATE_DIR/logs",
+    "engine_host": "the management address",
+    "metrics_listen": "off",
+    "log_max_bytes": "52428800 (50 MiB)",
+}
+
+
+def _default_text(field: attrs.Attribute[Any]) -> str:
+    """A field's default as an operator would write it in a flag."""
+    if field.name in _DEFAULT_WORDS:
+        return _DEFAULT_WORDS[field.name]
+    default: Any = field.default
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        default = default.factory()
+    if default is None or default == "" or default == () or default == {}:
+        return "none"
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, PortRange):
+        return f"{default.first}-{default.last}"
+    if isinstance(default, dict):
+        # The sim's command names this interpreter: said as such, not as one machine's path.
+        python = shlex.quote(sys.executable)
+        return ";".join(f"{k}={v}".replace(python, "THIS-PYTHON") for k, v in default.items())
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return str(default)
+
+
+def setting_help(key: str) -> str:
+    """``--help``'s line for one setting: what it is, its variable and its default."""
+    field = attrs.fields_dict(AgentConfig)[key]
+    return f"{FIELD_HELP[key]} (env {ENV_PREFIX}{key.upper()}; default {_default_text(field)})"
+
+
+def agent_version() -> str:
+    """The installed package's version (what ``pip`` installed), else the source tree's."""
+    try:
+        return importlib.metadata.version("llmgw")
+    except importlib.metadata.PackageNotFoundError:
+        from agent import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
+    missing = [k for k in _field_names() if k not in FIELD_HELP]
+    if missing:
+        raise RuntimeError(f"agent.config.FIELD_HELP has no help for {', '.join(missing)}")
     parser = _OneLineParser(
         prog="python -m agent",
         description="llmgw node agent: registers this node with the control plane and supervises engines.",
+        epilog="Precedence: flags, then the environment (LLMGW_AGENT_*), then the TOML file, then "
+        "the defaults. Every setting's file key is its flag's name with '_' for '-'.",
     )
+    parser.add_argument("--version", action="version", version=f"llmgw-agent {agent_version()}")
     parser.add_argument(
-        "--config", type=Path, help=f"TOML config file (default {DEFAULT_CONFIG} when present)"
+        "--config",
+        type=Path,
+        help=f"TOML config file (env {ENV_PREFIX}CONFIG; default {DEFAULT_CONFIG} when present)",
     )
     for key in _field_names():
-        parser.add_argument(_flag(key), dest=key, default=None, metavar=key.upper())
+        metavar = key.upper()
+        parser.add_argument(
+            _flag(key), dest=key, default=None, metavar=metavar, help=setting_help(key).replace("%", "%%")
+        )
+    add_log_arguments(parser)
     return parser
 
 
@@ -622,8 +736,50 @@ def load_with_sources(
     """:func:`load`, and where each key set explicitly came from (``--state-dir``,
     ``LLMGW_AGENT_STATE_DIR``, ``/etc/llmgw/agent.toml line 7``); keys left at their default are
     absent. A start-up check that fails names the setting that chose the value with these."""
+    loaded = load_all(argv, environ)
+    return loaded.config, loaded.sources
+
+
+@attrs.frozen
+class Loaded:
+    """What ``python -m agent`` starts with: the config, where its keys came from, and how to log
+    (``--log-format``/``--log-level``, shared by every llmgw process: ``telemetry.logs``)."""
+
+    config: AgentConfig
+    sources: dict[str, str]
+    logging: LogSettings
+
+
+#: Where a node id taken from the host name is said to come from, in errors.
+HOST_NAME_SOURCE = "the host name (no --node-id, LLMGW_AGENT_NODE_ID or node_id in the file)"
+
+
+def default_node_id(hostname: str) -> str:
+    """The node id of a node that names none: its host name, which must pass the node id rule.
+
+    Raises ConfigError saying how to name the node otherwise; the control plane would refuse the
+    Register of every reconnect, so the agent must not start."""
+    if NODE_ID.fullmatch(hostname) is None:
+        shown = hostname[:64] if hostname else "(empty)"
+        raise ConfigError(
+            f"node_id: not set, and the host name {shown!r} cannot stand in for it (a node id must be "
+            f"{NODE_ID_RULE}); give --node-id, {ENV_PREFIX}NODE_ID or node_id = ... in the file"
+        )
+    return hostname
+
+
+def load_all(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    hostname: typing.Callable[[], str] = socket.gethostname,
+) -> Loaded:
+    """:func:`load_with_sources` and the log settings; ``hostname`` gives the default node id."""
     environ = os.environ if environ is None else environ
     ns = build_parser().parse_args(argv)
+    try:
+        logs = log_settings(ns.log_format, ns.log_level, environ)
+    except LogSettingsError as exc:
+        raise ConfigError(str(exc)) from None
     path: Path | None = ns.config or (
         Path(environ[ENV_PREFIX + "CONFIG"]) if ENV_PREFIX + "CONFIG" in environ else None
     )
@@ -631,6 +787,14 @@ def load_with_sources(
         path = DEFAULT_CONFIG
     file_layer = _from_file(path) if path else Layered({}, {})
     layered = _merge(file_layer, _from_env(environ), _from_flags(ns))
+    if "node_id" not in layered.values:
+        layered.values["node_id"] = default_node_id(hostname())
+        layered.sources["node_id"] = HOST_NAME_SOURCE
+    config, sources = _structure(layered)
+    return Loaded(config, sources, logs)
+
+
+def _structure(layered: Layered) -> tuple[AgentConfig, dict[str, str]]:
     unknown = sorted(set(layered.values) - set(_field_names()))
     if unknown:
         where = "; ".join(f"{k} ({_where(k, layered)})" for k in unknown)

@@ -32,6 +32,7 @@ from agent.discovery import Inventory, NvmlSession
 from agent.discovery.model import GpuUsage
 from agent.engines import ENGINES, LaunchContext, versions
 from agent.engines.versions import Installed
+from agent.metrics import AgentMetrics
 from agent.session import Session, SessionResult, read_credential, write_credential
 from agent.supervise import LivenessProbe, Supervisor, probe_address
 from agent.supervise.supervisor import TEST_KILL_AT_ENV
@@ -162,9 +163,11 @@ async def run_agent(
     inventory: Inventory,
     *,
     rng: random.Random | None = None,
+    metrics: AgentMetrics | None = None,
     task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The whole agent: the supervisor service and the reconnect loop, until cancelled."""
+    """The whole agent: the supervisor service and the reconnect loop, until cancelled; ``metrics``
+    (``agent.metrics``) is told the session's state and follows the supervisor's shards."""
     rng = rng or random.Random()
     installed = await engine_versions(config)
     installed_version = {e.engine: e.version for e in installed}
@@ -207,10 +210,14 @@ async def run_agent(
     options = stream_options(config)
     async with trio.open_nursery() as root:
         await root.start(supervisor.run)
+        if metrics is not None:
+            root.start_soon(metrics.watch, supervisor)
         task_status.started(supervisor)
         attempt = 0
         while True:
             result = SessionResult()
+            if metrics is not None:
+                metrics.attempt()
             try:
                 mgmt_addr = await trio.to_thread.run_sync(mgmt_address, config)
                 register = build_register(config, inventory, supervisor, mgmt_addr, installed)
@@ -226,6 +233,7 @@ async def run_agent(
                         heartbeat_interval=config.heartbeat_interval,
                         usage=usage,
                         keep_credential=functools.partial(keep_credential, config),
+                        metrics=metrics,
                     )
                     result = await session.run()
             except (TransportError, OSError, trio.TooSlowError) as exc:
@@ -238,6 +246,8 @@ async def run_agent(
                 result.reason = f"unexpected {type(exc).__name__}: {exc}"
             if result.registered:
                 attempt = 0
+            if metrics is not None:
+                metrics.disconnected()
             delay = backoff_delay(attempt, config.reconnect_base, config.reconnect_max, rng.random())
             attempt += 1
             log.log(

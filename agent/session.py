@@ -30,6 +30,7 @@ import trio
 import schema
 from agent.discovery.model import GpuUsage
 from agent.engines import ProfileRefused
+from agent.metrics import AgentMetrics
 from agent.supervise import Shard, Supervisor
 from agent.transport import AgentStream, GoAwayReceived, RpcError, TransportError
 
@@ -112,8 +113,11 @@ class Session:
         heartbeat_interval: float,
         usage: Callable[[], Sequence[GpuUsage]],
         keep_credential: Callable[[str], Awaitable[None]] | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.stream = stream
+        #: Told when the session registers and each heartbeat it writes (``agent.metrics``).
+        self.metrics = metrics
         #: Stores a credential the control plane issues in its answer to Register (before the
         #: session counts as registered: a credential not kept would lock the node out).
         self.keep_credential = keep_credential
@@ -154,6 +158,8 @@ class Session:
                 nursery.cancel_scope.cancel()
                 return self.result
             self.result.registered = True
+            if self.metrics is not None:
+                self.metrics.connected()
             self.supervisor.register_acknowledged(self.register.shards)
             log.info("registered with the control plane as %s", self.node_id)
             nursery.start_soon(self._guard, self._heartbeat_loop, nursery)
@@ -178,6 +184,8 @@ class Session:
     async def _send_loop(self) -> None:
         async for message in self._outbox:
             await self.stream.send(message)
+            if message.heartbeat is not None and self.metrics is not None:
+                self.metrics.heartbeat_sent()
 
     async def _receive_loop(self) -> None:
         async for command in self.stream:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import attrs
 import pytest
 
-from agent.config import ConfigError, load, server_problem
+from agent.config import FIELD_HELP, AgentConfig, ConfigError, build_parser, load, load_all, server_problem
 from agent.discovery.model import FabricAttachment
 from agent.nursery import backoff_delay
 
@@ -82,8 +83,55 @@ def test_unknown_keys_are_errors(tmp_path: Path) -> None:
 
 
 def test_required_settings_say_how_to_set_them() -> None:
-    with pytest.raises(ConfigError, match=r"node_id: required.*--node-id, LLMGW_AGENT_NODE_ID"):
-        load(["--server", "http://cp:1"], {})
+    with pytest.raises(ConfigError, match=r"server: required.*--server, LLMGW_AGENT_SERVER"):
+        load(["--node-id", "gpu07"], {})
+
+
+def test_node_id_defaults_to_the_host_name() -> None:
+    """No node id anywhere: the host name, as kubelet names its node; one given anywhere wins."""
+    loaded = load_all(["--server", "http://cp:1"], {}, hostname=lambda: "gpu-host-07.dc1")
+    assert loaded.config.node_id == "gpu-host-07.dc1"
+    assert loaded.sources["node_id"].startswith("the host name")
+    given = load_all(["--server", "http://cp:1"], {"LLMGW_AGENT_NODE_ID": "n1"}, hostname=lambda: "h")
+    assert given.config.node_id == "n1"
+
+
+@pytest.mark.parametrize("hostname", ["", "-leading-dash", "has space", "x" * 200])
+def test_a_host_name_that_is_no_node_id_says_how_to_name_the_node(hostname: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_all(["--server", "http://cp:1"], {}, hostname=lambda: hostname)
+    text = str(info.value)
+    assert text.startswith("node_id: not set, and the host name ") and "cannot stand in for it" in text
+    assert "give --node-id, LLMGW_AGENT_NODE_ID or node_id = ... in the file" in text
+    assert "\n" not in text and len(text) < 400
+
+
+def test_every_setting_has_help_naming_its_variable_and_default() -> None:
+    """``--help`` is generated from the fields: every one has a line, with its real variable."""
+    text = " ".join(build_parser().format_help().split())
+    for field in attrs.fields(AgentConfig):
+        flag = "--" + field.name.replace("_", "-")
+        assert f"{flag} {field.name.upper()}" in text
+        assert f"(env LLMGW_AGENT_{field.name.upper()}; default " in text
+    for line in ("default 5)", "default 8000-8999)", "default true)", "default the host name)"):
+        assert line in text
+    assert "--log-format" in text and "LLMGW_LOG_FORMAT" in text and "LLMGW_LOG_LEVEL" in text
+    assert set(FIELD_HELP) == {f.name for f in attrs.fields(AgentConfig)}
+
+
+def test_log_settings_come_with_the_config() -> None:
+    loaded = load_all([*BASE, "--log-level", "debug"], {"LLMGW_LOG_FORMAT": "json"})
+    assert (loaded.logging.format, loaded.logging.level) == ("json", "debug")
+    with pytest.raises(ConfigError, match="LLMGW_LOG_FORMAT 'yaml' is not a log format"):
+        load_all(BASE, {"LLMGW_LOG_FORMAT": "yaml"})
+
+
+def test_metrics_listen_is_checked_with_its_source() -> None:
+    assert load([*BASE, "--metrics-listen", "9100"], {}).metrics_listen == "9100"
+    with pytest.raises(ConfigError) as info:
+        load(BASE, {"LLMGW_AGENT_METRICS_LISTEN": "localhost:http"})
+    assert "metrics_listen 'localhost:http': the port 'http' is not 0-65535" in str(info.value)
+    assert "(metrics_listen from LLMGW_AGENT_METRICS_LISTEN)" in str(info.value)
 
 
 def test_backoff_is_jittered_capped_and_spread() -> None:
