@@ -44,9 +44,10 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 import schema
-from control.config import AdminApi, Listen
+from control.config import AdminApi
 from control.fleet import LIVE_SHARD_STATES
-from control.plane import ControlPlane, DrainRefused, engine_views, model_name_of
+from control.placement import model_name_of
+from control.query import ControlQuery, ControlView, DrainRefused, engine_views
 from control.transport import ServerTLS
 
 log = logging.getLogger("llmgw.control.api")
@@ -62,14 +63,14 @@ class ApiError(Exception):
         self.status = status
 
 
-def nodes_doc(plane: ControlPlane) -> list[dict[str, Any]]:
-    now = plane.clock()
+def nodes_doc(view: ControlView) -> list[dict[str, Any]]:
+    now = view.now
     used: dict[str, set[int]] = {}
-    for replica in plane.placements:
+    for replica in view.placements:
         for shard in replica.shards:
             used.setdefault(shard.node_id, set()).update(shard.gpu_indices)
     out = []
-    for node in sorted(plane.fleet.nodes.values(), key=lambda n: n.node_id):
+    for node in sorted(view.nodes.values(), key=lambda n: n.node_id):
         reg = node.register
         last = node.history[-1] if node.history else None
         out.append(
@@ -96,8 +97,8 @@ def nodes_doc(plane: ControlPlane) -> list[dict[str, Any]]:
                 "discovery_error": reg.discovery_error,
                 # How its stream proved it speaks for the node: mtls, node token, credential, join
                 # token, or insecure (no authentication: `insecure = true`).
-                "auth": plane.agents.admitted_by.get(node.node_id, ""),
-                "insecure": plane.config.insecure,
+                "auth": view.admitted_by.get(node.node_id, ""),
+                "insecure": view.insecure,
                 "shards": sorted(node.shards),
                 "history": [
                     {
@@ -118,7 +119,7 @@ _Shape = tuple[tuple[int, ...], int, int, int, str, int]
 
 
 def _shard_doc(
-    plane: ControlPlane,
+    view: ControlView,
     shard_id: str,
     node_id: str,
     status: schema.ShardStatus | None,
@@ -127,8 +128,8 @@ def _shard_doc(
     placed: bool,
 ) -> dict[str, Any]:
     gpus, port, node_rank, nnodes, master_addr, master_port = shape
-    node = plane.fleet.nodes.get(node_id)
-    retry = plane.reconciler.retry_at(node_id, shard_id) if placed else None
+    node = view.nodes.get(node_id)
+    failures, retry = view.backoff(node_id, shard_id) if placed else (0, None)
     state = schema.ShardState(status.state).name.lower() if status else "pending"
     if not placed and state == "ready":
         state = "draining"  # serving until its replacement is ready, then drained or stopped
@@ -152,18 +153,18 @@ def _shard_doc(
         # is in the engine's own words, and a person should not need a shell on the node.
         "pid": status.pid if status else 0,
         "output_tail": list(status.output_tail) if status else [],
-        "failures": plane.reconciler.failures(node_id, shard_id) if placed else 0,
+        "failures": failures,
         "retry_in_s": round(max(retry - now, 0.0), 1) if retry else None,
     }
 
 
-def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
+def replicas_doc(view: ControlView) -> list[dict[str, Any]]:
     """Every placed replica with its shards, and the engines still running for a replica that no
     placement accounts for (old copies being drained or waiting for their replacement) after them."""
-    now = plane.clock()
-    placed_keys = {(s.node_id, s.shard_id) for r in plane.placements for s in r.shards}
+    now = view.now
+    placed_keys = {(s.node_id, s.shard_id) for r in view.placements for s in r.shards}
     leaving: dict[str, list[dict[str, Any]]] = {}
-    for node in sorted(plane.fleet.nodes.values(), key=lambda n: n.node_id):
+    for node in sorted(view.nodes.values(), key=lambda n: n.node_id):
         for status in sorted(node.shards.values(), key=lambda s: s.shard_id):
             spec = status.spec
             if (node.node_id, status.shard_id) in placed_keys or status.state not in LIVE_SHARD_STATES:
@@ -179,16 +180,16 @@ def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
                     spec.master_port,
                 )
             leaving.setdefault(status.replica_id, []).append(
-                _shard_doc(plane, status.shard_id, node.node_id, status, now, shape, placed=False)
+                _shard_doc(view, status.shard_id, node.node_id, status, now, shape, placed=False)
             )
     out = []
-    replica_ids = [r.replica_id for r in plane.placements]
-    by_id = {r.replica_id: r for r in plane.placements}
+    replica_ids = [r.replica_id for r in view.placements]
+    by_id = {r.replica_id: r for r in view.placements}
     for rid in [*replica_ids, *sorted(set(leaving) - set(replica_ids))]:
         replica = by_id.get(rid)
         shards = []
         for shard in replica.shards if replica else ():
-            holder = plane.fleet.nodes.get(shard.node_id)
+            holder = view.nodes.get(shard.node_id)
             observed = holder.shards.get(shard.shard_id) if holder else None
             shape = (
                 shard.gpu_indices,
@@ -198,7 +199,7 @@ def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
                 shard.master_addr,
                 shard.master_port,
             )
-            shards.append(_shard_doc(plane, shard.shard_id, shard.node_id, observed, now, shape, placed=True))
+            shards.append(_shard_doc(view, shard.shard_id, shard.node_id, observed, now, shape, placed=True))
         model = replica.model if replica else model_name_of(rid)
         if replica is None:
             state = "draining"
@@ -208,7 +209,7 @@ def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
             {
                 "model": model,
                 "replica_id": rid,
-                "served_model_name": plane.models[model].served_name if model in plane.models else "",
+                "served_model_name": view.models[model].served_name if model in view.models else "",
                 "fabric": replica.fabric if replica else "",
                 "state": state,
                 "shards": shards + leaving.get(rid, []),
@@ -217,32 +218,69 @@ def replicas_doc(plane: ControlPlane) -> list[dict[str, Any]]:
     return out
 
 
-def why_doc(plane: ControlPlane, model: str) -> dict[str, Any]:
-    if model not in plane.models:
+def why_doc(view: ControlView, model: str) -> dict[str, Any]:
+    if model not in view.models:
         raise ApiError(
-            404, f"no model {model!r} in the catalog; models: {', '.join(sorted(plane.models)) or 'none'}"
+            404, f"no model {model!r} in the catalog; models: {', '.join(sorted(view.models)) or 'none'}"
         )
-    cfg = plane.models[model]
-    placed = [r for r in replicas_doc(plane) if r["model"] == model]
+    cfg = view.models[model]
+    placed = [r for r in replicas_doc(view) if r["model"] == model]
     unplaced = [
         {"replica_id": u.replica_id, "reason": u.reason, "per_node": dict(u.per_node)}
-        for u in plane.plan.unplaced
+        for u in view.plan.unplaced
         if u.model == model
     ]
     return {"model": model, "replicas_wanted": cfg.replicas, "placed": placed, "unplaced": unplaced}
 
 
-async def logs_doc(plane: ControlPlane, shard_id: str, lines: int) -> dict[str, Any]:
+def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
+    """What still runs on a node being drained, and where each replica's replacement stands."""
+    node = view.nodes.get(node_id)
+    if node is None:
+        raise ApiError(404, f"no node {node_id!r}; known: {', '.join(sorted(view.nodes)) or 'none'}")
+    shards = []
+    for st in sorted(node.shards.values(), key=lambda s: s.shard_id):
+        if st.state not in LIVE_SHARD_STATES:
+            continue
+        replacement = view.plan.replica(st.replica_id)
+        moved = replacement is not None and node_id not in replacement.node_ids
+        states = []
+        if replacement is not None and moved:
+            for shard in replacement.shards:
+                other = view.nodes.get(shard.node_id)
+                status = other.shards.get(shard.shard_id) if other else None
+                states.append(schema.ShardState(status.state).name.lower() if status else "pending")
+        shards.append(
+            {
+                "shard_id": st.shard_id,
+                "replica_id": st.replica_id,
+                "state": schema.ShardState(st.state).name.lower(),
+                "replacement": ", ".join(replacement.node_ids) if replacement is not None and moved else "",
+                "replacement_state": "/".join(states),
+            }
+        )
+    mark = view.cordons.get(node_id)
+    return {
+        "node_id": node_id,
+        "cordon": mark.value if mark else "",
+        "node_state": node.state.value,
+        "shards": shards,
+        "empty": not shards,
+    }
+
+
+async def logs_doc(query: ControlQuery, shard_id: str, lines: int) -> dict[str, Any]:
     # Nodes that report the shard first, then those it is placed on; each asked once.
-    holders = [n.node_id for n in plane.fleet.nodes.values() if shard_id in n.shards]
-    holders += [s.node_id for r in plane.placements for s in r.shards if s.shard_id == shard_id]
+    view = query.view()
+    holders = [n.node_id for n in view.nodes.values() if shard_id in n.shards]
+    holders += [s.node_id for r in view.placements for s in r.shards if s.shard_id == shard_id]
     holders = list(dict.fromkeys(holders))
     if not holders:
         raise ApiError(404, f"no shard {shard_id!r} is placed or reported on any node")
     errors = []
     for node_id in holders:
         try:
-            reply = await plane.agents.request_logs(node_id, shard_id, lines)
+            reply = await query.request_logs(node_id, shard_id, lines)
         except LookupError as exc:
             errors.append(str(exc))
             continue
@@ -430,14 +468,9 @@ class ApiGuard:
         raise ApiError(401, "unknown admin API token; check LLMGW_API_TOKEN or --token-file")
 
 
-def make_app(
-    plane: ControlPlane, guard: ApiGuard | None = None
-) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The admin API as an ASGI app; ``guard`` decides who may ask (``serve_api`` builds it from
-    the config once the port is bound)."""
-    if guard is None:
-        host, port = Listen.split(plane.config.listen.api)
-        guard = ApiGuard.from_config(plane.config.api, host, port)
+def make_app(query: ControlQuery, guard: ApiGuard) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The admin API as an ASGI app over ``query``; ``guard`` decides who may ask (``serve_api``
+    builds it from the config and sets its port once bound)."""
     checked = guard
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -452,7 +485,7 @@ def make_app(
         if scope["type"] != "http":
             return
         method, path = scope["method"], unquote(scope["path"])
-        query = parse_qs(scope.get("query_string", b"").decode())
+        params = parse_qs(scope.get("query_string", b"").decode())
         parts = [p for p in path.split("/") if p]
         status: int = 200
         body: Any = None
@@ -463,47 +496,44 @@ def make_app(
             if parts == ["healthz"]:
                 body = {"ok": True}
             elif method == "GET" and parts == ["api", "nodes"]:
-                body = nodes_doc(plane)
+                body = nodes_doc(query.view())
             elif method == "GET" and parts == ["api", "replicas"]:
-                body = replicas_doc(plane)
+                body = replicas_doc(query.view())
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "why"]:
-                body = why_doc(plane, parts[2])
+                body = why_doc(query.view(), parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "logs"]:
-                lines = int(query.get("lines", ["100"])[0])
-                body = await logs_doc(plane, parts[2], lines)
+                lines = int(params.get("lines", ["100"])[0])
+                body = await logs_doc(query, parts[2], lines)
             elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
-                force = query.get("force", ["0"])[0] in ("1", "true", "yes")
+                force = params.get("force", ["0"])[0] in ("1", "true", "yes")
                 try:
-                    moves = await plane.drain_node(parts[2], force=force)
+                    moves = await query.drain(parts[2], force=force)
                 except KeyError as exc:
                     raise ApiError(404, str(exc.args[0])) from exc
                 except DrainRefused as exc:
                     raise ApiError(409, str(exc)) from exc
                 body = {"node_id": parts[2], "draining": True, "forced": force, "moves": moves}
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
-                try:
-                    body = plane.drain_progress(parts[2])
-                except KeyError as exc:
-                    raise ApiError(404, str(exc.args[0])) from exc
+                body = drain_doc(query.view(), parts[2])
             elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "cordon"]:
                 try:
-                    await plane.cordon_node(parts[2])
+                    mark = await query.cordon(parts[2])
                 except KeyError as exc:
                     raise ApiError(404, str(exc.args[0])) from exc
-                body = {"node_id": parts[2], "cordon": plane.fleet.cordons[parts[2]].value}
+                body = {"node_id": parts[2], "cordon": mark.value}
             elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "uncordon"]:
                 try:
-                    undone = await plane.uncordon_node(parts[2])
+                    undone = await query.uncordon(parts[2])
                 except KeyError as exc:
                     raise ApiError(404, str(exc.args[0])) from exc
                 body = {"node_id": parts[2], "undone": undone.value if undone else ""}
             elif method == "GET" and parts == ["api", "token"]:
-                joins = plane.agents.joins
+                joins = query.joins()
                 if joins is None:
                     raise ApiError(503, "the join token is not loaded yet; try again in a moment")
                 body = {"token": joins.join_token(), "file": str(joins.token_path)}
             elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "reset"]:
-                joins = plane.agents.joins
+                joins = query.joins()
                 if joins is None:
                     raise ApiError(503, "the node credentials are not loaded yet; try again in a moment")
                 forgotten = await joins.reset(parts[2])
@@ -542,12 +572,16 @@ def make_app(
 
 
 async def serve_api(
-    plane: ControlPlane, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    query: ControlQuery,
+    api: AdminApi,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API; reports the bound port. With ``[api.tls]`` it is HTTPS, and with its
     ``client_ca`` and ``require_client_cert`` every client needs a certificate from that CA (the same
     settings, and the same checks, as the agent port's ``[tls]``)."""
-    api = plane.config.api
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
@@ -569,6 +603,6 @@ async def serve_api(
             "" if _is_loopback(host) or host == "localhost" else f" although it listens on {host}",
         )
     async with trio.open_nursery() as nursery:
-        urls: list[str] = await nursery.start(serve, make_app(plane, guard), config)
+        urls: list[str] = await nursery.start(serve, make_app(query, guard), config)
         guard.port = int(urls[0].rsplit(":", 1)[1])
         task_status.started(guard.port)

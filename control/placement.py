@@ -309,6 +309,11 @@ def replica_id(model: str, index: int) -> str:
     return f"{model}-r{index}"
 
 
+def model_name_of(replica_id: str) -> str:
+    """``llama-70b-r1`` -> ``llama-70b``: the inverse of ``replica_id`` (ids are ``{model}-r{index}``)."""
+    return replica_id.rsplit("-r", 1)[0]
+
+
 def shard_id(replica: str, rank: int, node_id: str, gpu_indices: Sequence[int], port: int) -> str:
     """``{replica}-s{rank}-{6 hex}``: one id per placement, the same for the same placement.
 

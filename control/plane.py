@@ -19,10 +19,8 @@ trtllm-serve has no key option, so its shards get none.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -30,30 +28,32 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import attrs
-import cattrs
 import trio
 
 import schema
 from control.agentsvc import AgentService
-from control.routewatch import RouteWatch
+from control.api import serve_api
 from control.config import ControlConfig, Listen, ModelConfig
-from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
+from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, Transition
 from control.placement import (
-    EngineView,
     GpuView,
     ModelSpec,
     NodeView,
     Plan,
     ReplicaPlacement,
     ShardAssignment,
+    model_name_of,
     place,
 )
+from control.query import ControlView, DrainRefused, JoinSecrets, engine_views
 from control.reconcile import Drain, Reconciler, Start, Stop
+from control.routes import route_table
+from control.routewatch import RouteWatch
+from control.state import STATE_FILE, StateFileError, StateSaver, read_state
 from control.transport import ServerLimits, ServerTLS, StreamServer
-from router.routes import ModelRoutes, Upstream
+from router.routes import ModelRoutes
 
 log = logging.getLogger("llmgw.control")
 State = schema.ShardState
@@ -117,10 +117,6 @@ def _same_key(a: object, b: tuple[object, ...]) -> bool:
     return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))
 
 
-class DrainRefused(Exception):
-    """A drain that would leave a model with no replica; the message says which and why."""
-
-
 def _held(node: Node) -> tuple[frozenset[int], frozenset[int]]:
     """The GPUs and ports of every engine the node reports running (placement keeps new replicas
     off those that no placement accounts for: a leftover copy, a replica being replaced)."""
@@ -135,24 +131,6 @@ def _held(node: Node) -> tuple[frozenset[int], frozenset[int]]:
         if spec.nnodes > 1 and spec.node_rank == 0 and spec.master_port:
             ports.add(spec.master_port)
     return frozenset(gpus), frozenset(ports)
-
-
-#: Engines and the longest version or error text a node may report (its agent bounds them too).
-_MAX_ENGINES = 16
-_MAX_ENGINE_TEXT = 240
-
-
-def engine_views(reg: schema.Register) -> dict[str, EngineView]:
-    """The engines a node's Register reports, bounded: a node's strings reach tables and logs."""
-    return {
-        e.engine[:32]: EngineView(e.version[:_MAX_ENGINE_TEXT], e.error[:_MAX_ENGINE_TEXT])
-        for e in reg.engines[:_MAX_ENGINES]
-    }
-
-
-def model_name_of(replica_id: str) -> str:
-    """``llama-70b-r1`` -> ``llama-70b`` (replica ids are ``{model}-r{index}``)."""
-    return replica_id.rsplit("-r", 1)[0]
 
 
 class ControlPlane:
@@ -179,7 +157,7 @@ class ControlPlane:
         )
         self.placements: tuple[ReplicaPlacement, ...] = ()
         self.plan = Plan((), ())
-        self.state_file = config.state_dir / "control-state.json"
+        self.state_file = config.state_dir / STATE_FILE
         self.agent_port = 0
         self.api_port = 0
         self.router_port = 0
@@ -187,15 +165,13 @@ class ControlPlane:
         #: Serves the route table to routers run apart (``WatchRoutes`` on the agent port).
         self.route_watch = RouteWatch((*config.api.read_tokens, *config.api.admin_tokens))
         self._wake = trio.Event()
-        self._converter = cattrs.Converter()
         self._views: dict[str, tuple[object, NodeView]] = {}
-        self._encoded: dict[str, tuple[schema.Register, str]] = {}
-        self._saved_key: object = None
         self._plan_key: object = None
         self._views_generation = -1
         self._views_list: list[NodeView] = []
-        self._saved_generation: object = None
-        self._save_lock = trio.Lock()
+        self._saver = StateSaver(self.state_file)
+        #: What the admin API reads and asks (``control.query.ControlQuery``).
+        self.query = PlaneQuery(self)
         #: Loaded by ``run`` (or set by a test); while empty, shards get no key.
         self.shard_key_secret = b""
 
@@ -307,41 +283,6 @@ class ControlPlane:
         )
         views = [attrs.evolve(v, draining=True) if v.node_id == node_id else v for v in self.node_views()]
         return await trio.to_thread.run_sync(place, self.model_specs(), views, current)
-
-    def drain_progress(self, node_id: str) -> dict[str, Any]:
-        """What still runs on a node being drained, and where each replica's replacement stands."""
-        node = self.fleet.nodes.get(node_id)
-        if node is None:
-            raise KeyError(f"no node {node_id!r}; known: {', '.join(sorted(self.fleet.nodes)) or 'none'}")
-        shards = []
-        for st in sorted(node.shards.values(), key=lambda s: s.shard_id):
-            if st.state not in LIVE_SHARD_STATES:
-                continue
-            replacement = self.plan.replica(st.replica_id)
-            states = []
-            if replacement is not None and node_id not in replacement.node_ids:
-                for shard in replacement.shards:
-                    other = self.fleet.nodes.get(shard.node_id)
-                    status = other.shards.get(shard.shard_id) if other else None
-                    states.append(State(status.state).name.lower() if status else "pending")
-            shards.append(
-                {
-                    "shard_id": st.shard_id,
-                    "replica_id": st.replica_id,
-                    "state": State(st.state).name.lower(),
-                    "replacement": ", ".join(replacement.node_ids)
-                    if replacement is not None and node_id not in replacement.node_ids
-                    else "",
-                    "replacement_state": "/".join(states),
-                }
-            )
-        return {
-            "node_id": node_id,
-            "cordon": self.fleet.cordons.get(node_id, ""),
-            "node_state": node.state.value,
-            "shards": shards,
-            "empty": not shards,
-        }
 
     # -- desired state ------------------------------------------------------------------------------
 
@@ -513,54 +454,10 @@ class ControlPlane:
     # -- persistence --------------------------------------------------------------------------------
 
     async def save(self) -> None:
-        """Write what a restart needs, when it changed.
-
-        Encoded Registers are cached per node (a Register changes only when its node registers
-        again), and new ones are encoded in a worker thread along with the file write: betterproto2
-        takes ~2 ms per Register, so a registration storm of thousands would otherwise hold the event
-        loop, and with it every node's heartbeats, for seconds.
-        """
-        # One writer at a time: the reconciler's pass, an admin request (a drain is saved before it
-        # is answered) and the shutdown path all save, and all write the same temporary file.
-        async with self._save_lock:
-            await self._save()
-
-    async def _save(self) -> None:
-        if (self.fleet.generation, self.placements) == self._saved_generation:
-            return  # nothing a restart needs has changed since the last write
-        generation = (self.fleet.generation, self.placements)
-        live = [n for n in self.fleet.nodes.values() if n.state is not NodeState.LOST]
-        fresh = [
-            (n.node_id, n.register)
-            for n in live
-            if (cached := self._encoded.get(n.node_id)) is None or cached[0] is not n.register
-        ]
-        if fresh:
-            encoded = await trio.to_thread.run_sync(
-                lambda: [(nid, reg, base64.b64encode(bytes(_keyless(reg))).decode()) for nid, reg in fresh]
-            )
-            for nid, reg, text in encoded:
-                self._encoded[nid] = (reg, text)
-        for gone in set(self._encoded) - {n.node_id for n in live}:
-            del self._encoded[gone]
-        cordons = tuple(sorted(self.fleet.cordons.items()))
-        key = (
-            tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())),
-            self.placements,
-            cordons,
+        """Write what a restart needs (``control.state``), when it changed; fsynced before it returns."""
+        await self._saver.save(
+            self.fleet.generation, self.fleet.nodes.values(), self.placements, self.fleet.cordons
         )
-        if key == self._saved_key:
-            self._saved_generation = generation
-            return
-        doc = {
-            "nodes": {nid: text for nid, (_, text) in self._encoded.items()},
-            "placements": self._converter.unstructure(list(self.placements)),
-            # Operator decisions: a restart must not make a cordoned or draining node schedulable.
-            "cordons": {nid: mark.value for nid, mark in cordons},
-        }
-        await trio.to_thread.run_sync(self._write_state, doc)
-        self._saved_key = key
-        self._saved_generation = generation
 
     async def save_now(self) -> None:
         """Write what a restart needs, now, and return once it is on disk (fsynced).
@@ -572,50 +469,25 @@ class ControlPlane:
         """
         await self.save()
 
-    def _write_state(self, doc: dict[str, Any]) -> None:
-        """Replace the state file atomically and durably (runs in a worker thread).
-
-        The new contents are fsynced before the rename and the directory after it: without the first
-        a crash can leave the new name on an empty or partial file (ext4 and XFS reorder data and
-        metadata), without the second the rename itself may not survive a power loss, and the
-        control plane would come back with an older fleet, drains and cordons forgotten.
-        """
-        self.config.state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(doc, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_file)
-        fd = os.open(self.config.state_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def restore(self) -> None:
+        """Start from the state file, if there is one (see the module docstring). A damaged file is
+        set aside in the log, naming the field, and the control plane starts with no memory of the
+        fleet: the agents' Registers then bring their shards back as adopted placements."""
         try:
-            doc: dict[str, Any] = json.loads(self.state_file.read_text())
-        except FileNotFoundError:
+            saved = read_state(self.state_file)
+        except StateFileError as exc:
+            log.warning("%s; starting with no memory of the fleet", exc)
             return
-        except (OSError, ValueError) as exc:
-            log.warning("%s: unreadable (%s); starting with no memory of the fleet", self.state_file, exc)
+        if saved is None:
             return
-        registers = [schema.Register.parse(base64.b64decode(v)) for v in doc.get("nodes", {}).values()]
-        for reg in registers:
-            # A state file written before secrets were stripped from it: they are not kept in memory
-            # either, and the next save leaves them out.
-            reg.token = reg.node_credential = ""
-        for node_id, mark in dict(doc.get("cordons", {})).items():
-            try:
-                self.fleet.cordons[str(node_id)] = Cordon(mark)
-            except ValueError:
-                log.warning("%s: node %r: unknown cordon %r, ignored", self.state_file, node_id, mark)
-        self._transitions(self.fleet.restore(registers, self.clock(), self.config.liveness.grace))
-        self.placements = tuple(self._converter.structure(doc.get("placements", []), list[ReplicaPlacement]))
+        for line in saved.skipped:
+            log.warning("%s", line)
+        self.fleet.cordons.update(saved.cordons)
+        self._transitions(self.fleet.restore(saved.registers, self.clock(), self.config.liveness.grace))
+        self.placements = saved.placements
         log.info(
             "restored %d node(s), %d placement(s) and %d cordon(s) from %s",
-            len(registers),
+            len(saved.registers),
             len(self.placements),
             len(self.fleet.cordons),
             self.state_file,
@@ -624,82 +496,22 @@ class ControlPlane:
     # -- the service --------------------------------------------------------------------------------
 
     def build_routes(self) -> None:
-        """The router's table: served model name -> ready replicas (rank 0's URL), or why none.
-
-        A replica counts while every shard last reported READY and no node of it is lost: an
-        unreachable agent says nothing about its engines, which keep serving (the router ejects an
-        engine that really fails). Replicas being drained are used only when nothing else is ready,
-        so a drain moves traffic as soon as the replacement is up.
-        """
-        table: dict[str, ModelRoutes] = {}
-        placed = {(s.node_id, s.shard_id) for r in self.placements for s in r.shards}
-        for model in self.config.models:
-            ready: list[Upstream] = []
-            leaving: list[Upstream] = []
-            for replica in self.placements:
-                if replica.model != model.name or not replica.shards:
-                    continue
-                nodes = [self.fleet.nodes.get(s.node_id) for s in replica.shards]
-                if any(n is None or n.state is NodeState.LOST for n in nodes):
-                    continue
-                statuses = [
-                    n.shards.get(s.shard_id) if n else None
-                    for n, s in zip(nodes, replica.shards, strict=True)
-                ]
-                if not all(st is not None and st.state in (State.READY, State.DRAINING) for st in statuses):
-                    continue
-                leader = min(replica.shards, key=lambda s: s.node_rank)
-                node = self.fleet.nodes[leader.node_id]
-                upstream = Upstream(
-                    replica.replica_id,
-                    f"http://{node.register.mgmt_addr}:{leader.port}",
-                    api_key=self.key_for(leader.shard_id, model.profile.engine),
-                )
-                is_leaving = any(n is not None and n.draining for n in nodes) or any(
-                    st is not None and st.state == State.DRAINING for st in statuses
-                )
-                (leaving if is_leaving else ready).append(upstream)
-            # Engines no placement wants any more (the old copies of replicas moving off a drained
-            # node) still serve until their replacement is ready: they are the fallback.
-            for node in self.fleet.nodes.values():
-                if node.state is NodeState.LOST:
-                    continue
-                for st in node.shards.values():
-                    spec = st.spec
-                    if (
-                        (node.node_id, st.shard_id) in placed
-                        or st.state not in (State.READY, State.DRAINING)
-                        or spec is None
-                        or max(spec.nnodes, 1) > 1
-                        or model_name_of(st.replica_id) != model.name
-                    ):
-                        continue
-                    engine = spec.profile.engine if spec.profile else model.profile.engine
-                    leaving.append(
-                        Upstream(
-                            st.replica_id,
-                            f"http://{node.register.mgmt_addr}:{spec.http_port}",
-                            api_key=self.key_for(st.shard_id, engine),
-                        )
-                    )
-            unplaced = [u.reason for u in self.plan.unplaced if u.model == model.name]
-            reason = unplaced[0] if unplaced else f"no replica of {model.name} is ready yet"
-            table[model.served_name] = ModelRoutes(tuple(ready or leaving), reason)
-        for endpoint in self.config.endpoints:
-            current = table.get(endpoint.model)
-            ups = (
-                *(current.upstreams if current else ()),
-                Upstream(f"static:{endpoint.url}", endpoint.url.rstrip("/")),
-            )
-            table[endpoint.model] = ModelRoutes(ups, current.reason if current else "")
-        self._routes = MappingProxyType(table)
+        """Rebuild the router's table (``control.routes.route_table``) from the placements and the
+        fleet; the one place it is rebuilt, after every reconcile pass."""
+        self._routes = route_table(
+            self.config.models,
+            self.placements,
+            self.fleet.nodes,
+            self.plan.unplaced,
+            self.config.endpoints,
+            self.key_for,
+        )
         self.route_watch.publish(self._routes)
 
     def routes(self) -> Mapping[str, ModelRoutes]:
         return self._routes
 
     async def run(self, *, task_status: trio.TaskStatus[ControlPlane] = trio.TASK_STATUS_IGNORED) -> None:
-        from control.api import serve_api
         from router.server import Router
 
         self.build_routes()
@@ -736,7 +548,7 @@ class ControlPlane:
         api_host, api_port = Listen.split(self.config.listen.api)
         async with trio.open_nursery() as nursery:
             self.agent_port = await nursery.start(server.serve, host, port)
-            self.api_port = await nursery.start(serve_api, self, api_host, api_port)
+            self.api_port = await nursery.start(serve_api, self.query, self.config.api, api_host, api_port)
             if self.config.listen.router:
                 router_host, router_port = Listen.split(self.config.listen.router)
                 self.router_port = await nursery.start(router.serve, router_host, router_port)
@@ -785,16 +597,56 @@ class ControlPlane:
             await trio.sleep(max(0.05, took))
 
 
-def _keyless(register: schema.Register) -> schema.Register:
-    """``register`` without any shard key in it, for the state file: agents leave keys out of
-    ShardStatus, and one that does not (an older agent) must not put them on disk here."""
-    if not any(st.spec is not None and st.spec.api_key for st in register.shards):
-        return register
-    copy = schema.Register.parse(bytes(register))
-    for st in copy.shards:
-        if st.spec is not None:
-            st.spec.api_key = ""
-    return copy
+class PlaneQuery:
+    """The control plane as the admin API sees it (``control.query.ControlQuery``): a view of what
+    it knows, and the operators' commands, each delegated to the room that does it."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+
+    def view(self) -> ControlView:
+        plane = self._plane
+        reconciler = plane.reconciler
+
+        def backoff(node_id: str, shard_id: str) -> tuple[int, float | None]:
+            return reconciler.failures(node_id, shard_id), reconciler.retry_at(node_id, shard_id)
+
+        return ControlView(
+            now=plane.clock(),
+            nodes=MappingProxyType(plane.fleet.nodes),
+            placements=plane.placements,
+            plan=plane.plan,
+            models=MappingProxyType(plane.models),
+            cordons=MappingProxyType(plane.fleet.cordons),
+            admitted_by=MappingProxyType(plane.agents.admitted_by),
+            insecure=plane.config.insecure,
+            backoff=backoff,
+        )
+
+    async def request_logs(
+        self, node_id: str, shard_id: str, lines: int, *, previous: bool = False, after: int | None = None
+    ) -> schema.LogsReply:
+        return await self._plane.agents.request_logs(node_id, shard_id, lines, previous=previous, after=after)
+
+    async def cordon(self, node_id: str) -> Cordon:
+        await self._plane.cordon_node(node_id)
+        return self._plane.fleet.cordons[node_id]
+
+    async def uncordon(self, node_id: str) -> Cordon | None:
+        return await self._plane.uncordon_node(node_id)
+
+    async def drain(self, node_id: str, *, force: bool = False) -> list[str]:
+        return await self._plane.drain_node(node_id, force=force)
+
+    def joins(self) -> JoinSecrets | None:
+        return self._plane.agents.joins
 
 
-__all__ = ["ControlPlane", "load_shard_key_secret", "model_name_of", "shard_key"]
+__all__ = [
+    "ControlPlane",
+    "DrainRefused",
+    "PlaneQuery",
+    "load_shard_key_secret",
+    "model_name_of",
+    "shard_key",
+]

@@ -225,7 +225,7 @@ def test_routes_move_to_the_replacement_only_once_it_is_ready(tmp_path: object) 
     assert [u.url for u in plane.routes()["chat"].upstreams] == [f"http://10.0.0.{old.node_id[-1]}:8000"]
     from control.api import replicas_doc
 
-    [doc] = replicas_doc(plane)
+    [doc] = replicas_doc(plane.query.view())
     assert doc["state"] == "not ready"
     assert [(s["shard_id"], s["placed"], s["state"]) for s in doc["shards"]] == [
         (new.shard_id, True, "pending"),
@@ -235,7 +235,7 @@ def test_routes_move_to_the_replacement_only_once_it_is_ready(tmp_path: object) 
     plane.fleet.shard_status(new.node_id, status(State.UNHEALTHY, pid=2, shard=new.shard_id))
     plane.build_routes()
     assert [u.url for u in plane.routes()["chat"].upstreams] == [f"http://10.0.0.{old.node_id[-1]}:8000"]
-    assert replicas_doc(plane)[0]["shards"][0]["state"] == "unhealthy"
+    assert replicas_doc(plane.query.view())[0]["shards"][0]["state"] == "unhealthy"
     # Once it is, traffic moves and the drained replica gets no new requests.
     plane.fleet.shard_status(new.node_id, status(State.READY, pid=2, shard=new.shard_id))
     plane.build_routes()
@@ -440,7 +440,8 @@ def test_a_drain_that_leaves_a_model_without_a_ready_replica_is_refused_unless_f
 
     import trio
 
-    from control.plane import ControlPlane, DrainRefused
+    from control.plane import ControlPlane
+    from control.query import DrainRefused
 
     plane = two_node_plane(tmp_path)
     assert isinstance(plane, ControlPlane)
@@ -524,13 +525,13 @@ def test_the_plane_places_by_the_versions_nodes_report_and_starts_with_the_const
         )
     plan = trio.run(plane.replan)
     assert [r.shards[0].node_id for r in plan.replicas] == ["gpu01"]
-    why = render("why", why_doc(plane, "m"))
+    why = render("why", why_doc(plane.query.view(), "m"))
     assert "      gpu07: vllm 0.17.1 does not satisfy >=0.18" in why
     assert "      gpu09: vllm not installed (vllm: command not found)" in why
     replica = plan.replicas[0]
     start = plane.start_spec(replica, replica.shards[0])
     assert start.profile is not None and start.profile.engine_version == ">=0.18"
-    nodes = render("nodes", nodes_doc(plane))
+    nodes = render("nodes", nodes_doc(plane.query.view()))
     header, *rows = nodes.splitlines()
     assert "ENGINES" in header
     assert "vllm 0.18.0, sim 0.18.0; missing: sglang" in rows[0]

@@ -1,0 +1,114 @@
+"""What the admin API may read of the control plane, and what it may ask of it: nothing more.
+
+``ControlQuery`` is the narrow interface ``control.api`` depends on (the control plane implements
+it in ``control.plane.PlaneQuery``): a ``ControlView`` of what the plane knows at one instant, the
+commands an operator gives (cordon, uncordon, drain, forget a node's credential), and the agents'
+log tails. The API never sees the plane's attributes, so the plane can change its insides without
+breaking ``ctl``, and the documents the API serves are pure functions of a view (tests build one by
+hand).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+
+import schema
+from control.config import ModelConfig
+from control.fleet import Cordon, Node
+from control.placement import EngineView, Plan, ReplicaPlacement
+
+#: Engines and the longest version or error text a node may report (its agent bounds them too).
+_MAX_ENGINES = 16
+_MAX_ENGINE_TEXT = 240
+
+
+class DrainRefused(Exception):
+    """A drain that would leave a model with no replica; the message says which and why."""
+
+
+def engine_views(reg: schema.Register) -> dict[str, EngineView]:
+    """The engines a node's Register reports, bounded: a node's strings reach tables and logs."""
+    return {
+        e.engine[:32]: EngineView(e.version[:_MAX_ENGINE_TEXT], e.error[:_MAX_ENGINE_TEXT])
+        for e in reg.engines[:_MAX_ENGINES]
+    }
+
+
+def _no_backoff(node_id: str, shard_id: str) -> tuple[int, float | None]:
+    return 0, None
+
+
+@attrs.frozen
+class ControlView:
+    """What the control plane knows at one instant, for documents built synchronously from it.
+
+    The node records are the fleet's own (not copies: a fleet of thousands is not copied per
+    request), so a view is read at once, never held across an ``await``.
+    """
+
+    #: The control plane's monotonic clock, the only clock liveness is judged on.
+    now: float
+    nodes: Mapping[str, Node]
+    #: The placed replicas (the plan's, or restored ones before the first pass).
+    placements: tuple[ReplicaPlacement, ...]
+    #: The latest placement plan: unplaced replicas with reasons, where replacements go.
+    plan: Plan
+    #: The catalog, by model name.
+    models: Mapping[str, ModelConfig]
+    #: node id -> an operator's cordon or drain (kept apart from the node records: it outlives them).
+    cordons: Mapping[str, Cordon] = attrs.field(factory=dict)
+    #: node id -> how its stream proved it speaks for the node (mtls, token, credential, ...).
+    admitted_by: Mapping[str, str] = attrs.field(factory=dict)
+    #: The control plane accepts agents with no authentication (``insecure = true``).
+    insecure: bool = False
+    #: ``(node_id, shard_id) -> (failures, retry_at)``: a placed shard's crash-loop backoff.
+    backoff: Callable[[str, str], tuple[int, float | None]] = _no_backoff
+
+
+class JoinSecrets(Protocol):
+    """The join token and node credentials (``control.joins.JoinBook``), as the API uses them."""
+
+    @property
+    def token_path(self) -> Path: ...
+
+    def join_token(self) -> str: ...
+
+    async def reset(self, node_id: str) -> bool: ...
+
+
+class ControlQuery(Protocol):
+    """The admin API's whole dependency on the control plane."""
+
+    def view(self) -> ControlView:
+        """What the plane knows now."""
+        ...
+
+    async def request_logs(
+        self, node_id: str, shard_id: str, lines: int, *, previous: bool = False, after: int | None = None
+    ) -> schema.LogsReply:
+        """The tail of a shard's engine log, from its agent (``previous``: the run before its last
+        restart; ``after``: the lines past a follower's offset); ``LookupError`` when it cannot answer."""
+        ...
+
+    async def cordon(self, node_id: str) -> Cordon:
+        """Cordon a node; on disk before it returns. ``KeyError`` naming an unknown node."""
+        ...
+
+    async def uncordon(self, node_id: str) -> Cordon | None:
+        """Undo a cordon or drain; returns what was undone. ``KeyError`` naming an unknown node."""
+        ...
+
+    async def drain(self, node_id: str, *, force: bool = False) -> list[str]:
+        """Drain a node; one line per replica on what it does. ``DrainRefused`` with the reason."""
+        ...
+
+    def joins(self) -> JoinSecrets | None:
+        """The join book, or None before it is loaded."""
+        ...
+
+
+__all__ = ["ControlQuery", "ControlView", "DrainRefused", "JoinSecrets", "engine_views"]

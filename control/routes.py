@@ -1,0 +1,123 @@
+"""The router's table, from what the control plane knows: a pure function, no clock, no I/O.
+
+``route_table(...)`` maps each served model name to the replicas that may take its traffic (rank 0's
+URL and key), or to the reason none can. The control plane rebuilds it after every reconcile pass and
+hands the same value to its embedded router and to the routers that watch it, so the rules below are
+written once:
+
+- A replica counts while every shard last reported READY (or DRAINING) and no node of it is lost: an
+  unreachable agent says nothing about its engines, which keep serving (the router ejects an engine
+  that really fails).
+- Replicas being drained, and engines no placement wants any more (the old copy of a replica moving
+  off a drained or returning node), are used only when nothing else is ready, so a drain moves
+  traffic as soon as the replacement is up and not before.
+- Static ``[[endpoints]]`` are appended to their model's upstreams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+import schema
+from control.config import EndpointConfig, ModelConfig
+from control.fleet import Node, NodeState
+from control.placement import ReplicaPlacement, Unplaced, model_name_of
+from router.routes import ModelRoutes, Upstream
+
+State = schema.ShardState
+#: Shard states whose engine answers requests (a draining engine finishes what it has, and is the
+#: fallback until its replacement is ready).
+_SERVING = (State.READY, State.DRAINING)
+
+#: ``key_for(shard_id, engine)``: the API key the router sends to that shard's engine ("" for none).
+KeyFor = Callable[[str, str], str]
+
+
+def route_table(
+    models: Sequence[ModelConfig],
+    placements: Iterable[ReplicaPlacement],
+    nodes: Mapping[str, Node],
+    unplaced: Iterable[Unplaced] = (),
+    endpoints: Sequence[EndpointConfig] = (),
+    key_for: KeyFor = lambda shard_id, engine: "",
+) -> Mapping[str, ModelRoutes]:
+    """Served model name -> ready replicas (or the fallbacks), with the reason when there are none.
+
+    ``unplaced`` gives the reason for a model with no replica (placement's own words); ``key_for``
+    derives each shard's key (see the module docstring for which replicas count).
+    """
+    placements = tuple(placements)
+    unplaced = tuple(unplaced)
+    table: dict[str, ModelRoutes] = {}
+    placed = {(s.node_id, s.shard_id) for r in placements for s in r.shards}
+    for model in models:
+        ready: list[Upstream] = []
+        leaving: list[Upstream] = []
+        for replica in placements:
+            if replica.model != model.name or not replica.shards:
+                continue
+            holders = [nodes.get(s.node_id) for s in replica.shards]
+            if any(n is None or n.state is NodeState.LOST for n in holders):
+                continue
+            statuses = [
+                n.shards.get(s.shard_id) if n else None for n, s in zip(holders, replica.shards, strict=True)
+            ]
+            if not all(st is not None and st.state in _SERVING for st in statuses):
+                continue
+            leader = min(replica.shards, key=lambda s: s.node_rank)
+            node = nodes[leader.node_id]
+            upstream = Upstream(
+                replica.replica_id,
+                f"http://{node.register.mgmt_addr}:{leader.port}",
+                api_key=key_for(leader.shard_id, model.profile.engine),
+            )
+            is_leaving = any(n is not None and n.draining for n in holders) or any(
+                st is not None and st.state == State.DRAINING for st in statuses
+            )
+            (leaving if is_leaving else ready).append(upstream)
+        leaving.extend(_unplaced_engines(model, nodes, placed, key_for))
+        reasons = [u.reason for u in unplaced if u.model == model.name]
+        reason = reasons[0] if reasons else f"no replica of {model.name} is ready yet"
+        table[model.served_name] = ModelRoutes(tuple(ready or leaving), reason)
+    for endpoint in endpoints:
+        current = table.get(endpoint.model)
+        ups = (
+            *(current.upstreams if current else ()),
+            Upstream(f"static:{endpoint.url}", endpoint.url.rstrip("/")),
+        )
+        table[endpoint.model] = ModelRoutes(ups, current.reason if current else "")
+    return MappingProxyType(table)
+
+
+def _unplaced_engines(
+    model: ModelConfig, nodes: Mapping[str, Node], placed: set[tuple[str, str]], key_for: KeyFor
+) -> list[Upstream]:
+    """Serving single-node engines of ``model`` that no placement accounts for: still the fallback
+    until their replacement is ready (the reconciler stops them then)."""
+    out = []
+    for node in nodes.values():
+        if node.state is NodeState.LOST:
+            continue
+        for st in node.shards.values():
+            spec = st.spec
+            if (
+                (node.node_id, st.shard_id) in placed
+                or st.state not in _SERVING
+                or spec is None
+                or max(spec.nnodes, 1) > 1
+                or model_name_of(st.replica_id) != model.name
+            ):
+                continue
+            engine = spec.profile.engine if spec.profile else model.profile.engine
+            out.append(
+                Upstream(
+                    st.replica_id,
+                    f"http://{node.register.mgmt_addr}:{spec.http_port}",
+                    api_key=key_for(st.shard_id, engine),
+                )
+            )
+    return out
+
+
+__all__ = ["KeyFor", "route_table"]

@@ -1,0 +1,252 @@
+"""What survives a control plane restart: ``state_dir/control-state.json``.
+
+The file holds the nodes the control plane knew (each one's last Register, base64 protobuf, with no
+secret in it), the placements, and the operators' cordons and drains::
+
+    {"cordons": {"gpu07": "draining"},
+     "nodes": {"gpu07": "<base64 Register>"},
+     "placements": [{"model": "m", "replica_id": "m-r0", "fabric": "", "shards": [...]}]}
+
+Pure functions convert between that document and a ``SavedState`` value (``state_doc``,
+``parse_state``); a damaged file is refused with the file and the field that is wrong
+(``StateFileError``). The one blocking edge is ``write_state`` (atomic and durable) and
+``read_state``; ``StateSaver`` runs them in a worker thread and writes only when something a restart
+needs has changed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import trio
+
+import schema
+from control.fleet import Cordon, Node, NodeState
+from control.placement import ReplicaPlacement
+
+#: The state file's name in ``state_dir``.
+STATE_FILE = "control-state.json"
+
+_converter = cattrs.Converter()
+
+
+class StateFileError(ValueError):
+    """The state file cannot be used: the message names the file and the field."""
+
+
+@attrs.frozen
+class SavedState:
+    """What a restarted control plane starts from."""
+
+    #: Each known node's last Register, with no token, credential or shard key in it.
+    registers: tuple[schema.Register, ...] = ()
+    placements: tuple[ReplicaPlacement, ...] = ()
+    #: (node id, mark), sorted by node id.
+    cordons: tuple[tuple[str, Cordon], ...] = ()
+    #: Entries that were skipped (an unknown cordon mark), one line each, naming the file.
+    skipped: tuple[str, ...] = ()
+
+
+def keyless(register: schema.Register) -> schema.Register:
+    """``register`` without any secret in it, for the state file: agents leave shard keys out of
+    ShardStatus, and one that does not (an older agent) must not put them on disk here; the join
+    token and node credential a Register carries are never written either."""
+    if (
+        not register.token
+        and not register.node_credential
+        and not any(st.spec is not None and st.spec.api_key for st in register.shards)
+    ):
+        return register
+    copy = schema.Register.parse(bytes(register))
+    copy.token = copy.node_credential = ""
+    for st in copy.shards:
+        if st.spec is not None:
+            st.spec.api_key = ""
+    return copy
+
+
+def encode_register(register: schema.Register) -> str:
+    """One node's entry in the file (~2 ms per Register with betterproto2: call it off the trio
+    thread for many)."""
+    return base64.b64encode(bytes(keyless(register))).decode()
+
+
+def state_doc(
+    nodes: Mapping[str, str], placements: Iterable[ReplicaPlacement], cordons: Iterable[tuple[str, Cordon]]
+) -> dict[str, Any]:
+    """The file's document: ``nodes`` maps node id to ``encode_register``'s text."""
+    return {
+        "nodes": dict(nodes),
+        "placements": _converter.unstructure(list(placements)),
+        # Operator decisions: a restart must not make a cordoned or draining node schedulable.
+        "cordons": {nid: mark.value for nid, mark in sorted(cordons)},
+    }
+
+
+def parse_state(text: str, path: Path | str = STATE_FILE) -> SavedState:
+    """The file's contents as a value; ``StateFileError`` naming ``path`` and the field when they are
+    not a state file (not JSON, a node that is not a Register, a placement missing a field)."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise StateFileError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise StateFileError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    nodes = doc.get("nodes", {})
+    if not isinstance(nodes, dict):
+        raise StateFileError(
+            f"{path}: nodes: expected an object of node id -> Register, got {type(nodes).__name__}"
+        )
+    registers = []
+    for node_id, text_value in nodes.items():
+        where = f"{path}: nodes[{str(node_id)[:64]!r}]"
+        if not isinstance(text_value, str):
+            raise StateFileError(f"{where}: expected base64 text, got {type(text_value).__name__}")
+        try:
+            reg = schema.Register.parse(base64.b64decode(text_value, validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise StateFileError(f"{where}: not a base64 Register ({exc})") from exc
+        except Exception as exc:  # betterproto2 raises assorted errors on bytes that are not a message
+            raise StateFileError(f"{where}: not a Register ({type(exc).__name__}: {exc})") from exc
+        if reg.node_id != node_id:
+            raise StateFileError(f"{where}: the Register is for node {reg.node_id[:64]!r}")
+        # A file written before secrets were stripped from it: they are not kept in memory either,
+        # and the next save leaves them out.
+        registers.append(keyless(reg))
+    try:
+        placements = tuple(_converter.structure(doc.get("placements", []), list[ReplicaPlacement]))
+    except Exception as exc:
+        problems = cattrs.transform_error(exc, path="placements")
+        raise StateFileError(f"{path}: {'; '.join(problems)}") from exc
+    raw_cordons = doc.get("cordons", {})
+    if not isinstance(raw_cordons, dict):
+        raise StateFileError(f"{path}: cordons: expected an object of node id -> mark")
+    cordons = []
+    skipped = []
+    for node_id, mark in raw_cordons.items():
+        try:
+            cordons.append((str(node_id), Cordon(mark)))
+        except ValueError:
+            skipped.append(f"{path}: cordons[{str(node_id)[:64]!r}]: unknown mark {mark!r}, ignored")
+    return SavedState(tuple(registers), placements, tuple(sorted(cordons)), tuple(skipped))
+
+
+def read_state(path: Path) -> SavedState | None:
+    """The saved state, or None when there is no file (a first start). Blocks on the filesystem."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StateFileError(f"{path}: unreadable ({exc})") from exc
+    return parse_state(text, path)
+
+
+def write_state(path: Path, doc: Mapping[str, Any]) -> None:
+    """Replace the state file atomically and durably (blocking: run it in a worker thread).
+
+    The new contents are fsynced before the rename and the directory after it: without the first a
+    crash can leave the new name on an empty or partial file (ext4 and XFS reorder data and
+    metadata), without the second the rename itself may not survive a power loss, and the control
+    plane would come back with an older fleet, drains and cordons forgotten.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(doc, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StateSaver:
+    """Writes the state file when what a restart needs has changed, never on the trio thread.
+
+    Encoded Registers are cached per node (a Register changes only when its node registers again),
+    and new ones are encoded in a worker thread along with the file write: betterproto2 takes ~2 ms
+    per Register, so a registration storm of thousands would otherwise hold the event loop, and with
+    it every node's heartbeats, for seconds.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._encoded: dict[str, tuple[schema.Register, str]] = {}
+        self._saved_key: object = None
+        self._saved_generation: object = None
+        # One writer at a time: the reconciler's pass, an admin request (a drain is saved before it
+        # is answered) and the shutdown path all save, and all write the same temporary file.
+        self._lock = trio.Lock()
+
+    async def save(
+        self,
+        generation: int,
+        nodes: Iterable[Node],
+        placements: tuple[ReplicaPlacement, ...],
+        cordons: Mapping[str, Cordon],
+    ) -> bool:
+        """Write the nodes that are not lost, the placements and the cordons, unless nothing changed
+        since the last write (``generation`` is the fleet's). Returns whether it wrote."""
+        async with self._lock:
+            return await self._save(generation, nodes, placements, cordons)
+
+    async def _save(
+        self,
+        generation: int,
+        nodes: Iterable[Node],
+        placements: tuple[ReplicaPlacement, ...],
+        cordons: Mapping[str, Cordon],
+    ) -> bool:
+        if (generation, placements) == self._saved_generation:
+            return False  # nothing a restart needs has changed since the last write
+        stamp = (generation, placements)
+        live = [n for n in nodes if n.state is not NodeState.LOST]
+        fresh = [
+            (n.node_id, n.register)
+            for n in live
+            if (cached := self._encoded.get(n.node_id)) is None or cached[0] is not n.register
+        ]
+        if fresh:
+            encoded = await trio.to_thread.run_sync(
+                lambda: [(nid, reg, encode_register(reg)) for nid, reg in fresh]
+            )
+            for nid, reg, text in encoded:
+                self._encoded[nid] = (reg, text)
+        for gone in set(self._encoded) - {n.node_id for n in live}:
+            del self._encoded[gone]
+        marks = tuple(sorted(cordons.items()))
+        key = (tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())), placements, marks)
+        if key == self._saved_key:
+            self._saved_generation = stamp
+            return False
+        doc = state_doc({nid: text for nid, (_, text) in self._encoded.items()}, placements, marks)
+        await trio.to_thread.run_sync(write_state, self.path, doc)
+        self._saved_key = key
+        self._saved_generation = stamp
+        return True
+
+
+__all__ = [
+    "STATE_FILE",
+    "SavedState",
+    "StateFileError",
+    "StateSaver",
+    "encode_register",
+    "keyless",
+    "parse_state",
+    "read_state",
+    "state_doc",
+    "write_state",
+]
