@@ -506,7 +506,7 @@ class ControlPlane:
             self.config.endpoints,
             self.key_for,
         )
-        self.route_watch.publish(self._routes)
+        self.route_watch.publish(self._routes, self.fleet.nodes.values())
 
     def routes(self) -> Mapping[str, ModelRoutes]:
         return self._routes

@@ -5,6 +5,11 @@ subscribe to ``llmgw.v1.RouteService/WatchRoutes`` on the agent port: the first 
 table, and every change sends the whole table again with the next revision. The plane calls
 :meth:`RouteWatch.publish` after each ``build_routes()``; a table equal to the last one is not a change.
 
+A restarted control plane holds its table back until every node it restored from its state file has
+registered again (or ``hold_limit`` seconds passed): until then it knows only the shards each node
+had when it last registered, and a table built from that could tell routers that a serving replica
+is gone. Routers keep their last table meanwhile, which is exactly right: the engines kept serving.
+
 Why whole tables: a table is small (models times replicas), and a router that missed a message (one
 the server coalesced, or a reconnect) is right again after the next one, with no delta to replay.
 
@@ -24,11 +29,12 @@ import hmac
 import ipaddress
 import logging
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import trio
 
 import schema
+from control.fleet import Node, NodeState
 from control.transport import Handler, ServerStream
 from router.routes import ModelRoutes
 from schema.rpc import Code, RpcError
@@ -73,8 +79,20 @@ def _is_loopback(address: str) -> bool:
 class RouteWatch:
     """Holds the latest table and revision, and serves WatchRoutes; see the module docstring."""
 
-    def __init__(self, tokens: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        tokens: Iterable[str] = (),
+        *,
+        hold_limit: float = 45.0,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         self._tokens = tuple(t.encode() for t in tokens)
+        #: The longest a start holds the table back for nodes not heard from (an agent's reconnect
+        #: backoff is capped at 30 s by default, so a live one is back within it).
+        self.hold_limit = hold_limit
+        self._clock = clock
+        self._holding = True
+        self._hold_began: float | None = None
         #: One control-plane run: a restarted control plane starts a new epoch at revision 1.
         self.epoch = secrets.token_hex(8)
         self.revision = 0
@@ -87,8 +105,33 @@ class RouteWatch:
         """The RPCs this serves, by HTTP/2 path, for ``StreamServer(methods=...)``."""
         return {schema.WATCH_ROUTES_PATH: self.handle}
 
-    def publish(self, table: Mapping[str, ModelRoutes]) -> None:
-        """Make ``table`` the current one; a new revision and a wake-up only when it changed."""
+    def publish(self, table: Mapping[str, ModelRoutes], nodes: Iterable[Node] = ()) -> None:
+        """Make ``table`` the current one; a new revision and a wake-up only when it changed.
+
+        ``nodes`` is the fleet: while a node restored at start has not registered again (and is not
+        lost), the table is held back, up to ``hold_limit`` seconds after the first publish.
+        """
+        if self._holding:
+            now = self._clock()
+            if self._hold_began is None:
+                self._hold_began = now
+            waiting = sorted(n.node_id for n in nodes if not n.connected and n.state is not NodeState.LOST)
+            if waiting and now - self._hold_began < self.hold_limit:
+                return
+            self._holding = False
+            if waiting:
+                log.warning(
+                    "route watch: serving routes although %d node(s) restored at start did not register "
+                    "again within %g s (%s); their shards count as last reported",
+                    len(waiting),
+                    self.hold_limit,
+                    ", ".join(peer_text(n, 64) for n in waiting[:5]),
+                )
+            elif self._hold_began != now:
+                log.info(
+                    "route watch: every restored node registered again after %.1f s; serving routes",
+                    now - self._hold_began,
+                )
         current = dict(table)
         if current == self._table:
             return
@@ -145,7 +188,7 @@ class RouteWatch:
         log.info("route watcher at %s subscribed (revision %d%s)", st.peer.address, self.revision, resumed)
         self.watchers += 1
         try:
-            sent = -1
+            sent = 0  # revision 0 is "no table yet" (a start still holding back): nothing to send
             while True:
                 changed = self._changed
                 if sent != self.revision:

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 import schema
+from control.fleet import Node, NodeState
 from control.routewatch import RouteWatch
 from control.transport import StreamServer
 from router.routes import ModelRoutes, Upstream
@@ -147,3 +148,27 @@ async def test_watch_refuses_a_wrong_token_and_starts_after_a_bounded_wait() -> 
         await nursery.start(right.run)
         assert list(right.routes()) == ["m"]
         nursery.cancel_scope.cancel()
+
+
+def test_a_restarted_control_plane_holds_its_table_until_restored_nodes_register_again() -> None:
+    """Restored nodes know only the shards of their last Register: the table built from that is
+    held back (revision stays 0, nothing is sent) until they register again, or the hold limit."""
+    now = [100.0]
+    watch = RouteWatch(hold_limit=30, clock=lambda: now[0])
+    restored = Node("gpu01", schema.Register(node_id="gpu01"), NodeState.UNREACHABLE, 0, 0, connected=False)
+    lost = Node("gpu02", schema.Register(node_id="gpu02"), NodeState.LOST, 0, 0, connected=False)
+    watch.publish({}, [restored, lost])
+    assert watch.revision == 0
+    restored.connected = True
+    watch.publish(_table("http://127.0.0.1:9001"), [restored, lost])
+    assert watch.revision == 1
+
+    later = RouteWatch(hold_limit=30, clock=lambda: now[0])
+    restored.connected = False
+    later.publish({}, [restored])
+    now[0] += 29
+    later.publish({}, [restored])
+    assert later.revision == 0
+    now[0] += 1
+    later.publish({}, [restored])
+    assert later.revision == 1
