@@ -8,7 +8,9 @@ and the problem on two lines.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -89,3 +91,43 @@ def test_unknown_engine_in_the_file_names_its_own_line(tmp_path: Path) -> None:
 def test_unknown_flag_is_one_line(tmp_path: Path) -> None:
     code, stderr, _ = run_agent(tmp_path, "--node-id", "gpu07", "--sever", "http://cp:7070")
     assert_one_line(code, stderr, "unrecognized arguments: --sever", "see python -m agent --help")
+
+
+def test_version_is_the_installed_package_version(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent", "--version"], capture_output=True, text=True, timeout=EXIT_WITHIN_S
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"llmgw-agent {importlib.metadata.version('llmgw')}\n"
+
+
+def test_help_names_each_flag_with_its_variable(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent", "--help"], capture_output=True, text=True, timeout=EXIT_WITHIN_S
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "--heartbeat-interval HEARTBEAT_INTERVAL seconds between heartbeats (env " in text
+    assert "LLMGW_AGENT_HEARTBEAT_INTERVAL; default 5)" in text
+    assert "--metrics-listen METRICS_LISTEN" in text and "--log-format" in text
+
+
+def test_bad_log_level_from_the_environment_is_one_line(tmp_path: Path) -> None:
+    code, stderr, _ = run_agent(
+        tmp_path, "--node-id", "gpu07", "--server", "http://127.0.0.1:9", env={"LLMGW_LOG_LEVEL": "loud"}
+    )
+    assert_one_line(code, stderr, "llmgw-agent: LLMGW_LOG_LEVEL 'loud' is not a log level; use one of debug")
+
+
+def test_metrics_port_in_use_is_one_line(tmp_path: Path) -> None:
+    """A port another process holds stops the agent at start, before discovery or any engine."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, stderr, _ = run_agent(
+            tmp_path, "--node-id", "gpu07", "--server", "http://127.0.0.1:9", "--metrics-listen", str(port)
+        )
+    assert_one_line(
+        code, stderr, f"llmgw-agent: metrics_listen '{port}': cannot listen (", "pick a free port"
+    )
