@@ -24,7 +24,8 @@
  *    an eventfd (notify_fd) when the queue turns non-empty (or, early, when a body's last bytes
  *    are about to be sent), which trio waits on.
  *  - close() stops the thread and returns the up_fds of the jobs still running.
- *  - Pump(coalesce_us) sets the pause after each wake-up (see serve).
+ *  - Pump(coalesce_us) bounds the pause after each wake-up, which adapts below it (see serve).
+ *  - scan_chunked(state, remaining, line, data) runs scan() alone, for the differential test.
  * One mutex guards everything shared; the thread holds it while it serves one epoll event and
  * never blocks while holding it (every socket call is non-blocking). Jobs live in a
  * table indexed by up_fd, and epoll events carry the up_fd rather than a pointer, so an event for
@@ -35,6 +36,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -52,6 +54,9 @@
 #define STOP_TOKEN ((uint64_t)1 << 40)
 /* A wake-up that served one event after waiting longer than this many pauses finds the pump idle. */
 #define IDLE_PAUSES 4
+/* The pause grows with the streams being relayed: none for one stream, the whole coalesce_ns
+ * from 1 + FULL_PAUSE_OTHERS streams on (see serve). */
+#define FULL_PAUSE_OTHERS 8
 
 /* Scanner states: the same numbers as router.ChunkedScanner's. */
 enum { S_SIZE = 0, S_DATA = 1, S_CRLF = 2, S_TRAILER = 3, S_DONE = 4 };
@@ -76,6 +81,7 @@ typedef struct {
                         or the engine said connection: close */
     int on_client;   /* waiting for the client's socket to drain rather than for the engine */
     int in_head;     /* a response job that has not relayed its head yet (see client_head) */
+    int fresh;       /* no body byte relayed yet: also watched by urgent_fd, so no pause delays it */
     char *head;      /* ... what the engine sent so far */
     size_t head_len;
     char *suffix;    /* ... the router's own headers and the blank line, appended to the head */
@@ -97,6 +103,7 @@ typedef struct {
     pthread_t thread;
     int thread_started;
     int epfd, notify_fd, stop_fd;
+    int urgent_fd; /* an epoll set of the fresh jobs' engine sockets: what ends a pause early */
     job_t **jobs; /* indexed by up_fd */
     size_t jobs_cap;
     size_t streams, blocked;
@@ -316,7 +323,15 @@ static void unwatch(Pump *p, job_t *j) {
     if (j->on_client) p->blocked--;
 }
 
+/* The job has relayed its first body bytes (or waits on its client): pauses may delay it now. */
+static void settled(Pump *p, job_t *j) {
+    if (!j->fresh) return;
+    epoll_ctl(p->urgent_fd, EPOLL_CTL_DEL, j->up_fd, NULL);
+    j->fresh = 0;
+}
+
 static void drop(Pump *p, job_t *j) {
+    settled(p, j);
     unwatch(p, j);
     p->jobs[j->up_fd] = NULL;
     p->streams--;
@@ -340,6 +355,7 @@ static void finish_errno(Pump *p, job_t *j, int code, int e) {
 
 static int watch_client(Pump *p, job_t *j) {
     struct epoll_event ev = {.events = EPOLLOUT, .data.u64 = (uint64_t)j->up_fd | CLIENT_BIT};
+    settled(p, j); /* not readable-watched now: its engine's bytes must not end pauses */
     epoll_ctl(p->epfd, EPOLL_CTL_DEL, j->up_fd, NULL);
     if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, j->client_fd, &ev) < 0) return -1;
     j->on_client = 1;
@@ -418,6 +434,7 @@ static void readable(Pump *p, job_t *j, char *buf) {
         return;
     }
     if (used < r) j->extra = 1;
+    settled(p, j);
     if (j->state == S_DONE) {
         /* The body ends with this send: wake trio now, so its wake-up overlaps the send and the
          * client's turn-around rather than following them (at low load, the response's task
@@ -601,6 +618,7 @@ static void head_readable(Pump *p, job_t *j, char *buf) {
         return;
     }
     if ((size_t)used < body_len || !keep) j->extra = 1;
+    if (used > 0) settled(p, j); /* the first event came with the head; otherwise still fresh */
     char *all = realloc(out, out_len + (size_t)used);
     if (!all) abort();
     memcpy(all + out_len, body, (size_t)used);
@@ -672,18 +690,37 @@ static void *serve(void *arg) {
          * at once is woken for nearly every one of them (each wake-up a context switch, about as
          * costly as the recv and send it serves). Pausing briefly lets the rest of the step
          * arrive, to be served by one wake-up. A token may wait up to the pause; the gaps between
-         * a stream's tokens stay the same on average. A stream's first token waits only when it
-         * comes during a pause, that is when the pump is busy. An idle stream's next event is
-         * not delayed at all: the pause has ended long before it comes. A full batch skips the
-         * pause. So does a lone event after a long wait (more than IDLE_PAUSES pauses): the pump
-         * is idle, nothing else is on its way, and the pause would only cost a second sleep and
-         * wake-up per event (at concurrency 1 that was 68 us per event instead of 56). */
-        if (p->coalesce_ns && n < MAX_EVENTS && (n > 1 || waited_ns < IDLE_PAUSES * p->coalesce_ns)) {
-            struct timespec ts = {0, p->coalesce_ns};
+         * a stream's tokens stay the same on average. An idle stream's next event is not delayed
+         * at all: the pause has ended long before it comes. A full batch skips the pause. So does
+         * a lone event after a long wait (more than IDLE_PAUSES pauses): the pump is idle,
+         * nothing else is on its way, and the pause would only cost a second sleep and wake-up
+         * per event (at concurrency 1 that was 68 us per event instead of 56).
+         *
+         * The pause adapts, so that one setting serves a lone stream and a busy router:
+         *  - its length grows with the streams being relayed: none at one stream (there is no
+         *    other stream's event to wait for, only this one's to delay), coalesce_ns from
+         *    1 + FULL_PAUSE_OTHERS streams on; coalesce_ns is the upper bound;
+         *  - a response's first event never waits it out: the engine sockets of jobs that have
+         *    relayed no body byte yet (fresh) are also in urgent_fd, and the pause is a ppoll on
+         *    that set, which ends as soon as one of them is readable. A response head or first
+         *    token that arrives during a pause goes out at once, which is what the client's time
+         *    to first byte is made of; the steady stream of later tokens is what coalesces. */
+        pthread_mutex_lock(&p->mu);
+        size_t streams = p->streams;
+        pthread_mutex_unlock(&p->mu);
+        long pause_ns = 0;
+        if (streams > 1) {
+            size_t others = streams - 1 < FULL_PAUSE_OTHERS ? streams - 1 : FULL_PAUSE_OTHERS;
+            pause_ns = (long)(p->coalesce_ns * (long)others / FULL_PAUSE_OTHERS);
+        }
+        if (pause_ns && n < MAX_EVENTS && (n > 1 || waited_ns < IDLE_PAUSES * pause_ns)) {
+            struct timespec ts = {0, pause_ns};
+            struct pollfd urgent = {.fd = p->urgent_fd, .events = POLLIN};
             pthread_mutex_lock(&p->mu);
             p->pauses++;
             pthread_mutex_unlock(&p->mu);
-            nanosleep(&ts, NULL);
+            while (ppoll(&urgent, 1, &ts, NULL) < 0 && errno == EINTR) {
+            }
         }
     }
     free(buf);
@@ -712,12 +749,13 @@ static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Pump *p = (Pump *)type->tp_alloc(type, 0);
     if (!p) return NULL;
     p->coalesce_ns = coalesce_us * 1000;
-    p->epfd = p->notify_fd = p->stop_fd = -1;
+    p->epfd = p->notify_fd = p->stop_fd = p->urgent_fd = -1;
     pthread_mutex_init(&p->mu, NULL);
     p->epfd = epoll_create1(EPOLL_CLOEXEC);
+    p->urgent_fd = epoll_create1(EPOLL_CLOEXEC);
     p->notify_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     p->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (p->epfd < 0 || p->notify_fd < 0 || p->stop_fd < 0) {
+    if (p->epfd < 0 || p->urgent_fd < 0 || p->notify_fd < 0 || p->stop_fd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         Py_DECREF(p);
         return NULL;
@@ -770,6 +808,7 @@ static void Pump_dealloc(Pump *p) {
     Py_XDECREF(left);
     if (PyErr_Occurred()) PyErr_Clear();
     if (p->epfd >= 0) close(p->epfd);
+    if (p->urgent_fd >= 0) close(p->urgent_fd);
     if (p->notify_fd >= 0) close(p->notify_fd);
     if (p->stop_fd >= 0) close(p->stop_fd);
     free(p->jobs);
@@ -806,6 +845,9 @@ static PyObject *start_job(Pump *p, job_t *j) {
         } else {
             p->jobs[up_fd] = j;
             p->streams++;
+            /* Fresh until its first body bytes (see serve's pause); without the second set it
+             * is merely not hurried. */
+            j->fresh = epoll_ctl(p->urgent_fd, EPOLL_CTL_ADD, up_fd, &ev) == 0;
         }
     }
     pthread_mutex_unlock(&p->mu);

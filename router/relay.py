@@ -57,9 +57,11 @@ NATIVE_AVAILABLE = _pump is not None
 
 RECEIVE_SIZE = 65536  # per recv, here and in the router
 MAX_COALESCE_US = 100_000  # as router/_pump.c checks
-# The router's default pause: a decode step's tokens for a few dozen streams arrive within about
-# that, and a token delayed by half a millisecond is a few percent of an engine's inter-token
-# latency, and only while the pump is busy (an idle pump relays at once). Measured on the sim
+# The router's default bound on the pause (the pause adapts below it: none with one stream, the
+# whole bound from nine on, and never before a response's first event; see _pump.c, serve): a
+# decode step's tokens for a few dozen streams arrive within about that, and a token delayed by
+# half a millisecond is a few percent of an engine's inter-token latency, and only while the pump
+# is busy (an idle pump relays at once). Measured with the fixed pause on the sim
 # engine (ITL 5 ms), two CPUs, three interleaved rounds: router CPU per event 29.2-30.5 us at
 # concurrency 32 and 29.1-32.0 us at 256 with 250 us, 23.7-29.6 and 27.4-31.5 us with 500 us;
 # the clients' inter-token gaps and first bytes were no later (on a saturated machine, the CPU
@@ -101,9 +103,11 @@ class Pump(Protocol):
 def make_pump(kind: str | None = None, coalesce_us: int = 0) -> Pump:
     """The native pump when it is built, else the Python one; ``kind`` (default: the
     ``LLMGW_RELAY`` environment variable) may ask for ``native`` or ``python`` explicitly.
-    ``coalesce_us``: the native pump's pause after each wake-up (``_pump.c``, ``serve``), so that
-    the tokens one decode step writes to many streams are relayed by one wake-up; the Python pump
-    has no such pause (each of its wake-ups costs a trio round anyway)."""
+    ``coalesce_us``: the upper bound of the native pump's pause after each wake-up (``_pump.c``,
+    ``serve``), so that the tokens one decode step writes to many streams are relayed by one
+    wake-up; the pause adapts below it (zero at one stream, and cut short by a response's first
+    event), so a lone stream's first token is not delayed. The Python pump has no such pause
+    (each of its wake-ups costs a trio round anyway)."""
     kind = kind or os.environ.get("LLMGW_RELAY", "") or "auto"
     if not 0 <= coalesce_us <= MAX_COALESCE_US:
         raise ValueError(f"relay coalescing must be 0 to {MAX_COALESCE_US} us, got {coalesce_us}")

@@ -670,36 +670,112 @@ async def test_a_job_that_ended_stands_when_its_task_is_cancelled_before_collect
     assert after, "the cancellation was lost"
 
 
-async def test_a_busy_pump_pauses_and_an_idle_one_does_not(
-    nursery: trio.Nursery, pairs: tuple[socket.socket, ...]
-) -> None:
+class Streams:
+    """``n`` relays on one native pump, each a socket pair per side; ``send(i, data)`` writes as
+    stream i's engine and waits until its client has read exactly that, and says how long that
+    took."""
+
+    def __init__(self, nursery: trio.Nursery, pump: relay_module.NativeRelayPump) -> None:
+        self.nursery, self.pump = nursery, pump
+        self.socks: list[tuple[socket.socket, socket.socket, socket.socket, socket.socket]] = []
+
+    def start(self, n: int) -> None:
+        for _ in range(n):
+            engine, up = socket.socketpair()
+            down, client = socket.socketpair()
+            for s in (engine, up, down, client):
+                s.setblocking(False)
+            self.socks.append((engine, up, down, client))
+            self.nursery.start_soon(self.pump.relay, up, down.fileno(), ChunkedScanner())
+
+    async def send(self, i: int, data: bytes) -> float:
+        engine, _, _, client = self.socks[i]
+        started = trio.current_time()
+        engine.send(data)
+        assert await read_until(client, data) == data
+        return trio.current_time() - started
+
+    async def close(self) -> None:
+        """End every body, wait for the jobs to end, close the sockets."""
+        for engine, *_ in self.socks:
+            engine.send(b"0\r\n\r\n")
+        await until("the jobs to end", lambda: self.pump.stats() == (0, 0))
+        for socks in self.socks:
+            for s in socks:
+                s.close()
+
+
+EVENT = chunked(1, 10)[:-5]  # one event, not the body's end
+
+
+async def test_a_busy_pump_pauses_and_an_idle_one_does_not(nursery: trio.Nursery) -> None:
     """The coalescing pause: after a wake-up that served one event following a long wait (more
     than four pauses), the pump is idle and does not pause; an event that comes sooner finds it
-    busy, and a pause follows."""
-    engine, up, down, client = pairs
+    busy, and a pause follows. Nine streams: the pause is the whole 20 ms."""
     native_pump()  # skips or fails where it is not built
     pump = relay_module.NativeRelayPump(coalesce_us=20_000)
     await nursery.start(pump.run)
-    event = chunked(1, 10)[:-5]  # one event, not the body's end
-    nursery.start_soon(pump.relay, up, down.fileno(), ChunkedScanner())
-    await until("the job to start", lambda: pump.stats() == (1, 0))
+    streams = Streams(nursery, pump)
+    streams.start(9)
+    await until("the jobs to start", lambda: pump.stats() == (9, 0))
     for n in range(1, 4):
         await trio.sleep(0.2)  # pacing, not a wait for an event: the engine is quiet for ten pauses
-        engine.send(event)
-        assert await read_until(client, event) == event
+        await streams.send(0, EVENT)
         await until(f"wake-up {n} to be counted", lambda n=n: pump.counters()[0] >= n)
     wakeups, pauses, reads = pump.counters()
     assert (pauses, reads) == (0, 3), (wakeups, pauses, reads)
 
     # Two events in quick succession: each comes well within four pauses (80 ms) of the last.
-    engine.send(event)
-    assert await read_until(client, event) == event
-    engine.send(event)
-    assert await read_until(client, event) == event
+    await streams.send(0, EVENT)
+    await streams.send(0, EVENT)
     await until("a pause", lambda: pump.counters()[1] >= 1)
     assert pump.counters()[2] == 5
-    engine.send(b"0\r\n\r\n")
-    await until("the job to end", lambda: pump.stats() == (0, 0))
+    await streams.close()
+
+
+async def test_a_lone_stream_is_never_paused(nursery: trio.Nursery) -> None:
+    """With one stream there is no other stream's event to wait for: the pause is zero, however
+    quickly its events come (the pause grows with the streams, to the whole setting at nine)."""
+    native_pump()
+    pump = relay_module.NativeRelayPump(coalesce_us=20_000)
+    await nursery.start(pump.run)
+    streams = Streams(nursery, pump)
+    streams.start(1)
+    await until("the job to start", lambda: pump.stats() == (1, 0))
+    for _ in range(20):
+        await streams.send(0, EVENT)
+    assert pump.counters()[1:] == (0, 20)
+    await streams.close()
+
+
+async def test_a_responses_first_event_cuts_a_pause_short(nursery: trio.Nursery) -> None:
+    """A stream's first event is relayed at once even while the pump pauses for the others (the
+    pause is the whole 100 ms here); a later event of a stream that has begun waits the pause
+    out. The client's time to first byte does not pay for coalescing."""
+    native_pump()
+    pump = relay_module.NativeRelayPump(coalesce_us=100_000)
+    await nursery.start(pump.run)
+    streams = Streams(nursery, pump)
+    streams.start(9)
+    await until("the jobs to start", lambda: pump.stats() == (9, 0))
+    for i in range(9):  # each stream's first event: none of them waits for a pause
+        assert await streams.send(i, EVENT) < 0.05
+    await trio.sleep(0.5)  # pacing: the pump goes idle (five pauses), not a wait for an event
+    streams.start(1)  # stream 9: fresh
+    await until("the new job to start", lambda: pump.stats() == (10, 0))
+    pauses = pump.counters()[1]
+    await streams.send(0, EVENT)
+    await streams.send(0, EVENT)  # soon after the last: a pause of 100 ms follows this one
+    await until("a pause", lambda: pump.counters()[1] > pauses)
+    first = await streams.send(9, EVENT)
+    assert first < 0.05, f"stream 9's first event took {first * 1000:.0f} ms"
+    # A begun stream's event during a pause waits for its end: coalescing still happens.
+    await streams.send(0, EVENT)
+    await streams.send(0, EVENT)
+    await until("a pause", lambda: pump.counters()[1] > pauses + 1)
+    later = await streams.send(1, EVENT)
+    assert later > 0.02, f"stream 1's event came in {later * 1000:.0f} ms, during a pause"
+    await streams.close()
 
 
 async def test_the_relay_counters_reach_metrics(nursery: trio.Nursery, relay_kind: str) -> None:
