@@ -114,7 +114,8 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[test,dev]")
     session.run("python", "-m", "bench.wire", *session.posargs)
     session.run("python", "-m", "bench.agent")
-    # LiteLLM's proxy, the router's peer; pinned: a benchmark's peer must not move under it.
-    session.install("litellm[proxy]==1.106.12")
+    # The router's peers (LiteLLM's proxy, the vLLM project's and SGLang's Rust routers), pinned: a
+    # benchmark's peer must not move under it. bench/router.py's PINS names the same versions.
+    session.install("litellm[proxy]==1.106.12", "vllm-router==0.1.17", "sglang-router==0.3.2")
     session.run("python", "-m", "bench.router")
     session.run("python", "-m", "bench.control")

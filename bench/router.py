@@ -1,35 +1,48 @@
-"""Router benchmark: direct to an engine, through our router, and through LiteLLM's proxy, in one run.
+"""Router benchmark: our router against the strongest peers, each its own process on one engine, in one run.
 
 ``python -m bench.router`` (part of ``nox -s bench``) starts one simulated engine
-(``python -m agent.engines.sim``: 64 tokens per request, a fixed inter-token latency), our router as
-its own process (``python -m router --static bench=URL``) and LiteLLM's proxy as its own
-process (offline: ``api_base`` at the same engine, ``LITELLM_LOCAL_MODEL_COST_MAP=True``), then
-drives the same streaming chat workload at each concurrency against each of the three and prints:
+(``python -m agent.engines.sim``: 64 tokens per request, a fixed inter-token latency) and, each as
+its own process on that engine:
+
+- ``router``: our router, ``python -m router --static bench=URL``, default settings;
+- ``router-c0``: the same with ``--relay-coalesce-us 0`` (no coalescing pause);
+- ``router-py``: the same with its Python relay pump (``LLMGW_RELAY=python``, what a build without a
+  C compiler runs), so the native pump's share can be read off directly;
+- ``relay``: a bare TCP relay in Python (no HTTP: the floor a Python process pays for two socket hops);
+- the peers from the package registry, at the versions pinned in noxfile.py's bench session:
+  ``vllm-router`` (the vLLM project's Rust router, ``--policy round_robin``), ``sglang-router`` (SGLang's
+  Rust gateway, ``launch --policy round_robin``) and ``litellm`` (LiteLLM's proxy, offline: ``api_base``
+  at the same engine, ``LITELLM_LOCAL_MODEL_COST_MAP=True``). The Rust routers run at log level
+  warning, as our router logs no line per request either. A peer that cannot start is reported with
+  its reason and the run goes on without it.
+
+It drives the same streaming chat workload at each concurrency against each target and prints:
 
 - requests per second;
 - time to first byte (the first SSE event) p50/p99, and what each proxy adds to the direct figure;
 - inter-token gap p50/p99 as the client sees it, and what each proxy adds;
-- proxy CPU time per relayed SSE event (the proxy process's user+system time over the events the
-  clients received), and the proxy's RSS at the end.
+- proxy CPU time per relayed SSE event (the process's on-CPU time over the events the clients
+  received), and the proxy's RSS at the end;
+- our routers over each peer, as ratios, at each concurrency; and the issues' targets, met or missed.
 
-Beside them, in the same run: a bare TCP relay in Python (no HTTP: the floor a Python process pays
-for two socket hops), and the router once more with its Python relay pump (``LLMGW_RELAY=python``,
-what a build without a C compiler runs), so the native pump's share can be read off directly.
-
-Targets (the router's issue): added p50 under 1 ms at concurrency 1; at least 3x LiteLLM's requests
-per second at equal added p99; under 30 us of router CPU per relayed chunk.
+CPU time is the kernel's process CPU-time clock (``clock_getcpuclockid``): every thread's scheduler
+runtime to the nanosecond, threads that exited during the point included. A sum over the live
+threads' ``schedstat`` misses those (a thread pool that retires threads under load loses their
+time); it is kept as a cross-check, and the report says where the two disagree.
 
 The load generator is this process: trio, plain non-blocking sockets, one keep-alive connection per
 simulated client, and the router's own sans-IO response parser, so that it costs little next to
 what it measures. Everything shares this machine's cores, which is why the CPU figures are per
 event (they do not depend on who else is busy) and why the top concurrency is checked: when the
 direct run cannot hold the engine's inter-token latency, the machine cannot generate that load,
-and the output says so.
+and the output says so. The bench's temporary directory (logs, LiteLLM's config) is removed when
+it ends, on an error, Ctrl-C or SIGTERM too.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import secrets
 import shutil
@@ -41,6 +54,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 import attrs
 import httpx
@@ -51,17 +65,40 @@ from router.framing import CHUNKED, LENGTH, ChunkedScanner, parse_response_head
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench"
 TOKENS = 64
-LITELLM_INSTALL = "pip install 'litellm[proxy]==1.106.12'"
+# The peers' versions; noxfile.py's bench session installs the same (a benchmark's peer must not
+# move under it): change both together.
+PINS = {
+    "litellm": "litellm[proxy]==1.106.12",
+    "vllm-router": "vllm-router==0.1.17",
+    "sglang-router": "sglang-router==0.3.2",
+}
+OPTIONAL = ("relay", "router-c0", "router-py", "vllm-router", "sglang-router", "litellm")
+OURS = ("router", "router-c0")
+PEERS = ("vllm-router", "sglang-router", "litellm")
 
 
 # ---------------------------------------------------------------------------------------------
-# Processes
+# CPU time, RSS, process trees
 
 
-def cpu_seconds(pid: int) -> float:
-    """On-CPU time of every thread of ``pid`` from the scheduler (``schedstat``, nanoseconds):
-    /proc/PID/stat's ticks are sampled every 1/HZ s and overcharge timer-driven processes such as
-    a streaming proxy, whose wake-ups line up with the tick."""
+def process_cpu(pid: int) -> float:
+    """On-CPU seconds of process ``pid``, all its threads, exited ones included.
+
+    The kernel's process CPU-time clock (what ``clock_getcpuclockid(pid)`` returns, built here as
+    the kernel encodes it, ``~pid << 3 | CPUCLOCK_SCHED``: Python has no binding) is the scheduler's
+    runtime of the live threads plus what exited threads left to the thread group, in nanoseconds.
+    /proc/PID/stat's utime+stime counts the same time but in 10 ms ticks, too coarse for a point
+    at concurrency 1 (a few tens of ms of router CPU); it is the fallback where the clock fails."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def live_threads_cpu(pid: int) -> float:
+    """On-CPU seconds of the threads of ``pid`` alive now (the sum of their ``schedstat``): the
+    cross-check of :func:`process_cpu`, short by whatever threads exited."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -96,14 +133,27 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def tree_cpu(pid: int) -> float:
-    total = 0.0
+@attrs.frozen
+class Cpu:
+    """A process tree's CPU seconds by both counts: the process clocks (the figure) and the live
+    threads' schedstat (the cross-check)."""
+
+    clock: float
+    live: float
+
+    def __sub__(self, other: Cpu) -> Cpu:
+        return Cpu(self.clock - other.clock, self.live - other.live)
+
+
+def tree_cpu(pid: int) -> Cpu:
+    clock = live = 0.0
     for p in tree(pid):
         try:
-            total += cpu_seconds(p)
-        except OSError:
+            clock += process_cpu(p)
+            live += live_threads_cpu(p)
+        except OSError:  # exited between the listing and the read
             pass
-    return total
+    return Cpu(clock, live)
 
 
 def tree_rss(pid: int) -> float:
@@ -114,6 +164,10 @@ def tree_rss(pid: int) -> float:
         except OSError:
             pass
     return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
 
 
 def free_port() -> int:
@@ -139,13 +193,32 @@ class Proc:
                 self.proc.wait(timeout=10)
 
 
-def start(name: str, argv: Sequence[str], env: dict[str, str], tmp: Path, port: int) -> Proc:
+def start(
+    name: str,
+    argv: Sequence[str],
+    env: dict[str, str],
+    tmp: Path,
+    port: int,
+    *,
+    procs: list[Proc],
+    cwd: Path = ROOT,
+) -> Proc:
+    """Start ``argv`` in its own session, its output in ``tmp/NAME.log``, and add it to ``procs``
+    (what the bench stops when it ends, however it ends)."""
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            list(argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+            list(argv), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
-    return Proc(name, proc, log, port)
+    started = Proc(name, proc, log, port)
+    procs.append(started)
+    return started
+
+
+def drop(p: Proc, procs: list[Proc]) -> None:
+    """Stop a target that failed to start; the run goes on without it."""
+    p.stop()
+    procs.remove(p)
 
 
 def wait_http(p: Proc, path: str, timeout: float, headers: dict[str, str] | None = None) -> None:
@@ -163,14 +236,167 @@ def wait_http(p: Proc, path: str, timeout: float, headers: dict[str, str] | None
         time.sleep(0.1)
 
 
-def find_litellm() -> str | None:
-    explicit = os.environ.get("LLMGW_BENCH_LITELLM")
+def probe(p: Proc, key: str | None = None) -> None:
+    """One short streamed chat request through ``p``: a target that answers /health but cannot
+    relay a stream (an unknown model, a refused key) is not measured."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
+    with httpx.stream(
+        "POST", f"http://127.0.0.1:{p.port}/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        text = response.read().decode(errors="replace")
+    if response.status_code != 200 or "data: [DONE]" not in text:
+        raise RuntimeError(f"a probe request answered {response.status_code}: {text[:300]}")
+
+
+def find_exe(name: str, env_var: str) -> str | None:
+    """``$env_var``, else ``name`` beside this interpreter (the nox session's venv), else on PATH."""
+    explicit = os.environ.get(env_var)
     if explicit:
         return explicit
-    sibling = Path(sys.executable).parent / "litellm"
+    sibling = Path(sys.executable).parent / name
     if sibling.exists():
         return str(sibling)
-    return shutil.which("litellm")
+    return shutil.which(name)
+
+
+def installed_version(exe: str, dist: str) -> str:
+    """The version of ``dist`` in the environment of console script ``exe`` (its shebang's
+    interpreter), or why it is unknown: a peer found on PATH may not be the pinned one."""
+    try:
+        first = Path(exe).read_bytes()[:512].split(b"\n", 1)[0]
+        if not first.startswith(b"#!"):
+            return "version unknown (not a console script)"
+        python = first[2:].decode().split()[0]
+        out = subprocess.run(
+            [python, "-c", "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))", dist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, UnicodeDecodeError, IndexError, subprocess.SubprocessError):
+        return "version unknown"
+
+
+@attrs.frozen
+class RustPeer:
+    """A Rust router from the package registry (a Python launcher around a Rust extension), started
+    as its own process on the same engine, round robin over one worker, like ours."""
+
+    name: str  # the console script's and the distribution's name
+    env_var: str  # names the executable when it is not beside this interpreter
+    subcommand: tuple[str, ...]
+    log_level: str  # warning: our router logs no line per request; at info both log every request
+
+    def argv(self, exe: str, port: int, engine_port: int, metrics_port: int) -> list[str]:
+        return [
+            exe, *self.subcommand, "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", f"http://127.0.0.1:{engine_port}", "--policy", "round_robin",
+            "--worker-startup-timeout-secs", "60",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--log-level", self.log_level,
+        ]  # fmt: skip
+
+
+RUST_PEERS = (
+    RustPeer("vllm-router", "LLMGW_BENCH_VLLM_ROUTER", (), "warning"),
+    RustPeer("sglang-router", "LLMGW_BENCH_SGLANG_ROUTER", ("launch",), "warn"),
+)
+
+
+def start_rust_peer(
+    peer: RustPeer, tmp: Path, engine_port: int, procs: list[Proc]
+) -> tuple[Proc | None, str]:
+    """(the started peer, what it is) or (None, why it did not run)."""
+    pin = PINS[peer.name]
+    exe = find_exe(peer.name, peer.env_var)
+    if exe is None:
+        return (
+            None,
+            f"{peer.name} NOT RUN: no {peer.name} executable (pip install '{pin}', or set {peer.env_var})",
+        )
+    port = free_port()
+    # cwd: the bench's temporary directory, so that nothing a peer writes stays behind.
+    argv = peer.argv(exe, port, engine_port, free_port())
+    try:
+        proc = start(peer.name, argv, dict(os.environ), tmp, port, procs=procs, cwd=tmp)
+    except OSError as exc:
+        return None, f"{peer.name} NOT RUN: {exe} did not start: {exc}"
+    try:
+        wait_http(proc, "/health", 90)
+        probe(proc)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        drop(proc, procs)
+        return None, f"{peer.name} NOT RUN: it did not start and relay a stream: {str(exc)[:800]}"
+    version = installed_version(exe, peer.name)
+    pinned = pin.rsplit("==", 1)[1]
+    drift = "" if version == pinned else f" (NOT the pinned {pinned}: figures do not compare with the notes)"
+    return proc, f"{peer.name} {version}{drift}: {' '.join(argv[1:])}"
+
+
+def start_litellm(tmp: Path, engine_port: int, key: str, procs: list[Proc]) -> tuple[Proc | None, str]:
+    """LiteLLM's proxy, offline, on the same engine; (None, why) when it cannot run."""
+    exe = find_exe("litellm", "LLMGW_BENCH_LITELLM")
+    if exe is None:
+        return (
+            None,
+            f"litellm NOT RUN: no litellm executable (pip install '{PINS['litellm']}', or set LLMGW_BENCH_LITELLM)",
+        )
+    port = free_port()
+    config = tmp / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: http://127.0.0.1:{engine_port}/v1\n"
+        "      api_key: unused\n"
+    )
+    env = {
+        **os.environ,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # offline: no fetch of the model price list
+        "LITELLM_MASTER_KEY": key,  # it refuses to start without one
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_TELEMETRY": "False",
+    }
+    argv = [exe, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    try:
+        proc = start("litellm", argv, env, tmp, port, procs=procs, cwd=tmp)
+    except OSError as exc:
+        return None, f"litellm NOT RUN: {exe} did not start: {exc}"
+    try:
+        wait_http(proc, "/health/liveliness", 240)
+        probe(proc, key)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        drop(proc, procs)
+        return None, f"litellm NOT RUN: it did not start and answer offline: {str(exc)[:800]}"
+    version = installed_version(exe, "litellm")
+    return proc, f"litellm {version}: --num_workers 1, offline"
+
+
+def start_ours(
+    name: str, extra: Sequence[str], env: dict[str, str], tmp: Path, engine_port: int, procs: list[Proc]
+) -> tuple[Proc | None, str]:
+    """Our router, as its own process (``python -m router``) with ``extra`` flags; (None, why) when
+    it cannot start (a variant whose flag or pump this build lacks)."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
+        "--host", "127.0.0.1", "--port", str(port), *extra,
+    ]  # fmt: skip
+    proc = start(name, argv, env, tmp, port, procs=procs)
+    try:
+        wait_http(proc, "/health", 30)
+        probe(proc)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        drop(proc, procs)
+        return None, f"{name} NOT RUN: {str(exc)[:800]}"
+    pump = next((line for line in proc.log.read_text().splitlines() if "relay pump" in line), "")
+    return proc, f"{name}: python -m router {' '.join(extra)}".rstrip() + (
+        f" ({pump.split('(', 1)[-1].rstrip(')')})" if pump else ""
+    )
 
 
 def relay(listen_port: int, upstream_port: int) -> None:
@@ -228,7 +454,8 @@ class Level:
     ttfb: list[float] = attrs.Factory(list)
     gaps: list[float] = attrs.Factory(list)
     seconds: float = 0.0
-    cpu: float = 0.0
+    cpu: float = 0.0  # the process clocks' on-CPU seconds over the point (exited threads included)
+    cpu_live: float = 0.0  # the same by the live threads' schedstat: the cross-check
     rss: float = 0.0
 
     @property
@@ -374,10 +601,10 @@ def settle(pids: Sequence[int], timeout: float = 20.0) -> str:
     abandoned streams after its clients left (LiteLLM at concurrency 256 did for seconds). Returns
     a note when the deadline passed first."""
     deadline = time.monotonic() + timeout
-    before = sum(tree_cpu(p) for p in pids)
+    before = sum(tree_cpu(p).clock for p in pids)
     while True:
         time.sleep(0.25)
-        after = sum(tree_cpu(p) for p in pids)
+        after = sum(tree_cpu(p).clock for p in pids)
         if after - before < 0.05 * 0.25:
             return ""
         if time.monotonic() > deadline:
@@ -385,63 +612,31 @@ def settle(pids: Sequence[int], timeout: float = 20.0) -> str:
         before = after
 
 
-def measure(
-    port: int, request: bytes, concurrency: int, warmup: float, seconds: float, pid: int | None
-) -> Level:
-    cpu0 = tree_cpu(pid) if pid else 0.0
+def measure(port: int, request: bytes, concurrency: int, warmup: float, seconds: float, pid: int) -> Level:
+    cpu0 = tree_cpu(pid)
     level = trio.run(drive, port, request, concurrency, warmup, seconds)
-    if pid:
-        level.cpu = tree_cpu(pid) - cpu0
-        level.rss = tree_rss(pid)
+    used = tree_cpu(pid) - cpu0
+    level.cpu, level.cpu_live = used.clock, used.live
+    level.rss = tree_rss(pid)
     return level
 
 
 # ---------------------------------------------------------------------------------------------
-# Report
+# The run
 
 
-def ms(x: float) -> str:
-    return f"{x * 1000:.2f}"
+@attrs.frozen
+class Target:
+    name: str
+    proc: Proc
+    key: str | None = None
 
 
-def start_litellm(tmp: Path, engine_port: int, key: str) -> tuple[Proc | None, str]:
-    """LiteLLM's proxy, offline, on the same engine; (None, why) when it cannot run."""
-    exe = find_litellm()
-    if exe is None:
-        return None, f"LiteLLM NOT RUN: no litellm executable ({LITELLM_INSTALL}, or set LLMGW_BENCH_LITELLM)"
-    port = free_port()
-    config = tmp / "litellm.yaml"
-    config.write_text(
-        "model_list:\n"
-        f"  - model_name: {MODEL}\n"
-        "    litellm_params:\n"
-        f"      model: openai/{MODEL}\n"
-        f"      api_base: http://127.0.0.1:{engine_port}/v1\n"
-        "      api_key: unused\n"
-    )
-    env = {
-        **os.environ,
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # offline: no fetch of the model price list
-        "LITELLM_MASTER_KEY": key,  # it refuses to start without one
-        "LITELLM_LOG": "ERROR",
-        "LITELLM_TELEMETRY": "False",
-    }
-    argv = [exe, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
-    proc = start("litellm", argv, env, tmp, port)
-    try:
-        wait_http(proc, "/health/liveliness", 240)
-        probe = httpx.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
-            headers={"authorization": f"Bearer {key}"},
-            timeout=60,
-        )
-        if probe.status_code != 200:
-            raise RuntimeError(f"a probe request answered {probe.status_code}: {probe.text[:300]}")
-    except (RuntimeError, httpx.HTTPError) as exc:
-        proc.stop()
-        return None, f"LiteLLM NOT RUN: it did not start and answer offline: {str(exc)[:800]}"
-    return proc, ""
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM unwinds like Ctrl-C, so that the processes started and the temporary directory go
+    too. It is passed on as a SIGINT rather than raised here: inside ``trio.run`` only trio's own
+    SIGINT handler may interrupt the run loop safely."""
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -464,11 +659,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--itl-ms", type=float, default=5.0)
     parser.add_argument("--ttft-ms", type=float, default=10.0)
-    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM")
     parser.add_argument(
-        "--no-python-pump", action="store_true", help="skip the router run with its Python relay pump"
+        "--skip",
+        default="",
+        help=f"comma list of targets not to run, of: {', '.join(OPTIONAL)} (direct and router always run)",
+    )
+    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (--skip litellm)")
+    parser.add_argument(
+        "--no-python-pump",
+        action="store_true",
+        help="skip the router run with its Python relay pump (--skip router-py)",
     )
     args = parser.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - set(OPTIONAL)
+    if unknown:
+        parser.error(
+            f"--skip {','.join(sorted(unknown))}: not a target that can be skipped ({', '.join(OPTIONAL)})"
+        )
+    skip |= {"litellm"} if args.no_litellm else set()
+    skip |= {"router-py"} if args.no_python_pump else set()
+
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-router-"))
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    procs: list[Proc] = []
+    try:
+        run(args, skip, tmp, procs)
+    except KeyboardInterrupt:
+        print("bench.router: interrupted; the processes it started are stopped", file=sys.stderr)
+        return 130
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
 
     def window(c: int) -> float:
@@ -478,241 +706,272 @@ def main(argv: Sequence[str] | None = None) -> int:
         return max(float(args.seconds), least)
 
     cpus = os.cpu_count() or 1
+    py = sys.executable
+    engine_port = free_port()
+    env = {
+        **os.environ,
+        "LLMGW_SIM_LOAD_SECONDS": "0",
+        "LLMGW_SIM_TTFT_MS": str(args.ttft_ms),
+        "LLMGW_SIM_ITL_MS": str(args.itl_ms),
+    }
+    engine = start(
+        "engine",
+        [py, "-m", "agent.engines.sim", "serve", "org/bench", "--served-model-name", MODEL,
+         "--host", "127.0.0.1", "--port", str(engine_port)],
+        env, tmp, engine_port, procs=procs,
+    )  # fmt: skip
+    wait_http(engine, "/health", 30)
 
-    tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-router-"))
-    procs: list[Proc] = []
-    try:
-        engine_port, router_port, relay_port, router_py_port = (
-            free_port(),
-            free_port(),
-            free_port(),
-            free_port(),
-        )
-        env = {
-            **os.environ,
-            "LLMGW_SIM_LOAD_SECONDS": "0",
-            "LLMGW_SIM_TTFT_MS": str(args.ttft_ms),
-            "LLMGW_SIM_ITL_MS": str(args.itl_ms),
-        }
-        py = sys.executable
-        engine = start(
-            "engine",
-            [py, "-m", "agent.engines.sim", "serve", "org/bench", "--served-model-name", MODEL,
-             "--host", "127.0.0.1", "--port", str(engine_port)],
-            env, tmp, engine_port,
-        )  # fmt: skip
-        procs.append(engine)
-        router = start(
-            "router",
-            [py, "-m", "router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
-             "--host", "127.0.0.1", "--port", str(router_port)],
-            dict(os.environ), tmp, router_port,
-        )  # fmt: skip
-        procs.append(router)
-        router_py = None
-        if not args.no_python_pump:
-            router_py = start(
-                "router-py",
-                [py, "-m", "router", "--static", f"{MODEL}=http://127.0.0.1:{engine_port}",
-                 "--host", "127.0.0.1", "--port", str(router_py_port)],
-                {**os.environ, "LLMGW_RELAY": "python"}, tmp, router_py_port,
-            )  # fmt: skip
-            procs.append(router_py)
+    said: list[str] = []  # what each target is, or why it did not run
+    targets = [Target("direct", engine)]
+    if "relay" not in skip:
+        relay_port = free_port()
         floor = start(
-            "relay",
-            [py, "-m", "bench.router", "relay", str(relay_port), str(engine_port)],
-            dict(os.environ),
-            tmp,
-            relay_port,
-        )
-        procs.append(floor)
-        wait_http(engine, "/health", 30)
-        wait_http(router, "/health", 30)
+            "relay", [py, "-m", "bench.router", "relay", str(relay_port), str(engine_port)],
+            dict(os.environ), tmp, relay_port, procs=procs,
+        )  # fmt: skip
         wait_http(floor, "/health", 30)
-        if router_py is not None:
-            wait_http(router_py, "/health", 30)
-        pump = next(
-            (line for line in router.log.read_text().splitlines() if "relay pump" in line),
-            "relay pump unknown",
-        )
-
+        targets.append(Target("relay", floor))
+    ours = [("router", (), dict(os.environ)), ("router-c0", ("--relay-coalesce-us", "0"), dict(os.environ))]
+    ours.append(("router-py", (), {**os.environ, "LLMGW_RELAY": "python"}))
+    for name, extra, ours_env in ours:
+        if name in skip:
+            continue
+        proc, what = start_ours(name, extra, ours_env, tmp, engine_port, procs)
+        if proc is None and name == "router":
+            raise RuntimeError(f"our router did not start, nothing to measure: {what}")
+        said.append(what)
+        if proc is not None:
+            targets.append(Target(name, proc))
+    for peer in RUST_PEERS:
+        if peer.name in skip:
+            said.append(f"{peer.name} skipped (--skip)")
+            continue
+        proc, what = start_rust_peer(peer, tmp, engine_port, procs)
+        said.append(what)
+        if proc is not None:
+            targets.append(Target(peer.name, proc))
+    if "litellm" in skip:
+        said.append("litellm skipped (--skip litellm)")
+    else:
         key = "sk-" + secrets.token_hex(32)
-        litellm, litellm_note = (
-            (None, "LiteLLM skipped (--no-litellm)")
-            if args.no_litellm
-            else start_litellm(tmp, engine_port, key)
-        )
-        if litellm is not None:
-            procs.append(litellm)
+        proc, what = start_litellm(tmp, engine_port, key, procs)
+        said.append(what)
+        if proc is not None:
+            targets.append(Target("litellm", proc, key))
 
-        path = "/v1/chat/completions"
-        targets: list[tuple[str, int, bytes, int]] = [
-            ("direct", engine_port, request_bytes(engine_port, path, None), engine.proc.pid),
-            ("relay", relay_port, request_bytes(relay_port, path, None), floor.proc.pid),
-            ("router", router_port, request_bytes(router_port, path, None), router.proc.pid),
-        ]
-        if router_py is not None:
-            targets.append(
-                ("router-py", router_py_port, request_bytes(router_py_port, path, None), router_py.proc.pid)
-            )
-        if litellm is not None:
-            targets.append(
-                ("litellm", litellm.port, request_bytes(litellm.port, path, key), litellm.proc.pid)
-            )
+    longer = ", ".join(f"{window(c):.0f} s at concurrency {c}" for c in levels if window(c) > args.seconds)
+    print(
+        f"router bench: one sim engine, {TOKENS} tokens per streamed chat request, ITL {args.itl_ms:g} ms, "
+        f"TTFT {args.ttft_ms:g} ms; {args.seconds:g} s per point ({longer or 'none longer'}) "
+        f"after {args.warmup:g} s of warm-up; "
+        f"{cpus} CPUs shared by the engine, the proxies and this load generator"
+    )
+    print(
+        "targets: direct = the engine itself (the physical limit); relay = a bare TCP relay, no HTTP (the floor "
+        "any proxy process pays here); router = python -m router (default settings); router-c0 = the same "
+        "with --relay-coalesce-us 0; router-py = the same with its Python relay pump (LLMGW_RELAY=python); "
+        "vllm-router, sglang-router, litellm = the peers, each its own process on the same engine"
+    )
+    for what in said:
+        print("  " + what)
+    print(
+        "times in ms; ttfb = to the first SSE event; gap = between SSE events as received; +x = added over "
+        "direct at the same concurrency; cpu = the process's on-CPU time per SSE event the clients got "
+        "(for direct: the engine's own cost per event)"
+    )
+    cols = ("conc", "target", "req/s", "ttfb p50", "p99", "+p50", "+p99", "gap p50", "p99", "+gap",
+            "cpu us/ev", "rss MiB", "err")  # fmt: skip
+    widths = (5, 13, 8, 9, 8, 8, 8, 8, 8, 7, 9, 8, 4)
 
-        longer = ", ".join(
-            f"{window(c):.0f} s at concurrency {c}" for c in levels if window(c) > args.seconds
+    def fmt(values: Sequence[str]) -> str:
+        return " ".join(
+            v.rjust(w) if i != 1 else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))
         )
-        print(
-            f"router bench: one sim engine, {TOKENS} tokens per streamed chat request, ITL {args.itl_ms:g} ms, "
-            f"TTFT {args.ttft_ms:g} ms; {args.seconds:g} s per point ({longer or 'none longer'}) "
-            f"after {args.warmup:g} s of warm-up; "
-            f"{cpus} CPUs shared by the engine, the proxies and this load generator"
-        )
-        print(
-            "targets: direct = the engine itself (the physical limit); relay = a bare TCP relay, no HTTP (the floor "
-            "any proxy process pays here); router = python -m router; router-py = the same with its "
-            "Python relay pump (LLMGW_RELAY=python); litellm = LiteLLM's proxy"
-        )
-        print(f"router: {pump.split('(', 1)[-1].rstrip(')')}")
-        if litellm_note:
-            print(litellm_note)
-        print(
-            "times in ms; ttfb = to the first SSE event; gap = between SSE events as received; +x = added over "
-            "direct at the same concurrency; cpu = the process's on-CPU time per SSE event the clients got "
-            "(for direct: the engine's own cost per event)"
-        )
-        cols = (
-            "conc",
-            "target",
-            "req/s",
-            "ttfb p50",
-            "p99",
-            "+p50",
-            "+p99",
-            "gap p50",
-            "p99",
-            "+gap",
-            "cpu us/ev",
-            "rss MiB",
-            "err",
-        )
-        widths = (5, 9, 8, 9, 8, 8, 8, 8, 8, 7, 9, 8, 4)
-        print(
-            " ".join(
-                c.rjust(w) if i != 1 else c.ljust(w)
-                for i, (c, w) in enumerate(zip(cols, widths, strict=True))
-            )
-        )
-        results: dict[tuple[str, int], Level] = {}
-        notes: list[str] = []
-        for c in levels:
-            for name, port, req, pid in targets:
-                busy = settle([t[3] for t in targets])
-                if busy:
-                    notes.append(f"before {name} at concurrency {c}: {busy}")
-                level = measure(port, req, c, args.warmup, window(c), pid)
-                results[name, c] = level
-                d = results["direct", c]
-                proxied = name != "direct"
-                row = (
-                    str(c),
-                    name,
-                    f"{level.rps:.1f}",
-                    ms(pct(level.ttfb, 0.5)),
-                    ms(pct(level.ttfb, 0.99)),
-                    ms(pct(level.ttfb, 0.5) - pct(d.ttfb, 0.5)) if proxied else "",
-                    ms(pct(level.ttfb, 0.99) - pct(d.ttfb, 0.99)) if proxied else "",
-                    ms(pct(level.gaps, 0.5)),
-                    ms(pct(level.gaps, 0.99)),
-                    f"{(pct(level.gaps, 0.5) - pct(d.gaps, 0.5)) * 1000:.3f}" if proxied else "",
-                    f"{level.us_per_event:.1f}" if level.events else "-",
-                    f"{level.rss:.1f}",
-                    str(level.errors),
-                )
-                print(
-                    " ".join(
-                        v.rjust(w) if i != 1 else v.ljust(w)
-                        for i, (v, w) in enumerate(zip(row, widths, strict=True))
-                    ),
-                    flush=True,
-                )
-            direct = results["direct", c]
-            gap = pct(direct.gaps, 0.5)
-            ideal = c / (args.ttft_ms / 1000 + TOKENS * args.itl_ms / 1000)
-            if gap > 1.5 * args.itl_ms / 1000 or direct.rps < 0.6 * ideal:
+
+    print(fmt(cols))
+    results: dict[tuple[str, int], Level] = {}
+    notes: list[str] = []
+    path = "/v1/chat/completions"
+    for c in levels:
+        for t in targets:
+            busy = settle([u.proc.proc.pid for u in targets])
+            if busy:
+                notes.append(f"before {t.name} at concurrency {c}: {busy}")
+            request = request_bytes(t.proc.port, path, t.key)
+            level = measure(t.proc.port, request, c, args.warmup, window(c), t.proc.proc.pid)
+            results[t.name, c] = level
+            missed = level.cpu - level.cpu_live
+            if level.cpu > 0 and missed > max(0.05 * level.cpu, 0.002):
                 notes.append(
-                    f"concurrency {c}: this {cpus}-CPU machine cannot drive it at ITL {args.itl_ms:g} ms: "
-                    f"straight to the engine the gap p50 is {gap * 1000:.1f} ms and {direct.rps:.0f} req/s of an "
-                    f"ideal {ideal:.0f} (the simulated engine and the load generator saturate the CPUs); at this "
-                    "level the proxies are compared on a saturated machine"
+                    f"{t.name} at concurrency {c}: {missed * 1000:.0f} ms of its {level.cpu * 1000:.0f} ms on-CPU "
+                    f"({missed / level.cpu:.0%}) ran in threads that exited during the point; a sum over the live "
+                    "threads' schedstat would have missed it (the cpu column counts it)"
                 )
-        print()
-        for note in notes:
-            print("NOTE " + note)
-        report(results, levels, litellm is not None)
-    finally:
-        for p in reversed(procs):
-            p.stop()
-    return 0
+            d = results["direct", c]
+            proxied = t.name != "direct"
+            row = (
+                str(c),
+                t.name,
+                f"{level.rps:.1f}",
+                ms(pct(level.ttfb, 0.5)),
+                ms(pct(level.ttfb, 0.99)),
+                ms(pct(level.ttfb, 0.5) - pct(d.ttfb, 0.5)) if proxied else "",
+                ms(pct(level.ttfb, 0.99) - pct(d.ttfb, 0.99)) if proxied else "",
+                ms(pct(level.gaps, 0.5)),
+                ms(pct(level.gaps, 0.99)),
+                f"{(pct(level.gaps, 0.5) - pct(d.gaps, 0.5)) * 1000:.3f}" if proxied else "",
+                f"{level.us_per_event:.1f}" if level.events else "-",
+                f"{level.rss:.1f}",
+                str(level.errors),
+            )
+            print(fmt(row), flush=True)
+        direct = results["direct", c]
+        gap = pct(direct.gaps, 0.5)
+        ideal = c / (args.ttft_ms / 1000 + TOKENS * args.itl_ms / 1000)
+        if gap > 1.5 * args.itl_ms / 1000 or direct.rps < 0.6 * ideal:
+            notes.append(
+                f"concurrency {c}: this {cpus}-CPU machine cannot drive it at ITL {args.itl_ms:g} ms: "
+                f"straight to the engine the gap p50 is {gap * 1000:.1f} ms and {direct.rps:.0f} req/s of an "
+                f"ideal {ideal:.0f} (the simulated engine and the load generator saturate the CPUs); at this "
+                "level the proxies are compared on a saturated machine"
+            )
+    print()
+    for note in notes:
+        print("NOTE " + note)
+    report(results, levels, [t.name for t in targets])
 
 
-def report(results: dict[tuple[str, int], Level], levels: list[int], with_litellm: bool) -> None:
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def ms(x: float) -> str:
+    return f"{x * 1000:.2f}"
+
+
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as ``0.52x``, or ``-`` where it means nothing (a negative figure or a zero
+    denominator: an added time inside the noise)."""
+    if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b <= 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def report(results: dict[tuple[str, int], Level], levels: list[int], names: list[str]) -> None:
     def added(name: str, c: int, q: float) -> float:
         return pct(results[name, c].ttfb, q) - pct(results["direct", c].ttfb, q)
+
+    def added_gap(name: str, c: int) -> float:
+        return pct(results[name, c].gaps, 0.5) - pct(results["direct", c].gaps, 0.5)
 
     def per_event(name: str) -> float:
         events = sum(results[name, c].events for c in levels)
         return sum(results[name, c].cpu for c in levels) / events * 1e6 if events else float("nan")
 
-    print("ratios and targets:")
+    ours = [n for n in OURS if n in names]
+    peers = [n for n in PEERS if n in names]
+    if peers:
+        print(
+            "ours / each peer, same run (each cell: ours/peer and the ratio; below 1x is better for ours, "
+            "except req/s):"
+        )
+        cols = ("conc", "ours", "peer", "req/s", "+ttfb p50 ms", "+ttfb p99 ms", "+gap p50 ms",
+                "cpu us/ev", "rss MiB")  # fmt: skip
+        widths = (5, 9, 13, 6, 18, 19, 19, 17, 15)
+        print(
+            " ".join(
+                v.rjust(w) if i > 2 else v.ljust(w) for i, (v, w) in enumerate(zip(cols, widths, strict=True))
+            )
+        )
+        for c in levels:
+            for o in ours:
+                for p in peers:
+                    mine, theirs = results[o, c], results[p, c]
+
+                    def cell(x: float, y: float, digits: int) -> str:
+                        return f"{x:.{digits}f}/{y:.{digits}f} {ratio(x, y)}"
+
+                    values = (
+                        str(c),
+                        o,
+                        p,
+                        ratio(mine.rps, theirs.rps),
+                        cell(added(o, c, 0.5) * 1000, added(p, c, 0.5) * 1000, 2),
+                        cell(added(o, c, 0.99) * 1000, added(p, c, 0.99) * 1000, 2),
+                        cell(added_gap(o, c) * 1000, added_gap(p, c) * 1000, 3),
+                        cell(mine.us_per_event, theirs.us_per_event, 1),
+                        cell(mine.rss, theirs.rss, 0),
+                    )
+                    print(
+                        " ".join(
+                            v.rjust(w) if i > 2 else v.ljust(w)
+                            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+                        )
+                    )
+
+    print("targets (issue 17; router = python -m router, default settings):")
     if 1 in levels:
         a = added("router", 1, 0.5)
-        print(
-            f"  added TTFB p50 at concurrency 1: router {a * 1000:.2f} ms (target < 1 ms: {'met' if a < 0.001 else 'MISSED'}); "
-            f"bare relay {added('relay', 1, 0.5) * 1000:.2f} ms"
-            + (f"; LiteLLM {added('litellm', 1, 0.5) * 1000:.2f} ms" if with_litellm else "")
-        )
-    r, floor, engine = per_event("router"), per_event("relay"), per_event("direct")
-    print(
-        f"  CPU per relayed event, all levels: router {r:.1f} us (target < 30 us: {'met' if r < 30 else 'MISSED'}); "
-        f"bare relay {floor:.1f} us (router/relay {r / floor:.2f}x); the engine's own cost per event {engine:.1f} us"
-        + (
-            f"; LiteLLM {per_event('litellm'):.1f} us ({per_event('litellm') / r:.1f}x the router)"
-            if with_litellm
-            else ""
-        )
-    )
-    print(
-        "  CPU per relayed event by level (router / bare relay): "
-        + "; ".join(
-            f"concurrency {c}: {results['router', c].us_per_event:.1f} / "
-            f"{results['relay', c].us_per_event:.1f} us"
-            for c in levels
-            if results["router", c].events and results["relay", c].events
-        )
-    )
-    if ("router-py", levels[0]) in results:
-        py = per_event("router-py")
-        print(
-            f"  CPU per relayed event with the Python relay pump, all levels: {py:.1f} us "
-            f"({py / r:.2f}x the router as built)"
-        )
-    if not with_litellm:
-        print("  LiteLLM ratios: not measured (see above)")
-        return
-    for c in levels:
-        rr, ll = results["router", c], results["litellm", c]
-        if ll.rps:
+        if "vllm-router" in names:
+            v = added("vllm-router", 1, 0.5)
+            met = a <= 0.0005 and a < v
             print(
-                f"  concurrency {c}: router/LiteLLM req/s {rr.rps / ll.rps:.2f}x; added TTFB p99: router "
-                f"{added('router', c, 0.99) * 1000:.2f} ms, LiteLLM {added('litellm', c, 0.99) * 1000:.2f} ms"
+                f"  added TTFB p50 at concurrency 1: router {a * 1000:.2f} ms, vllm-router {v * 1000:.2f} ms "
+                f"(at most 0.5 ms and below vllm-router's): {'met' if met else 'MISSED'}"
             )
         else:
             print(
-                f"  concurrency {c}: LiteLLM completed no request inside the {ll.seconds:g} s window "
-                f"({ll.errors} errors); the router completed {rr.rps:.1f} req/s"
+                f"  added TTFB p50 at concurrency 1: router {a * 1000:.2f} ms (at most 0.5 ms: "
+                f"{'met' if a <= 0.0005 else 'MISSED'}); below vllm-router's: not measured"
             )
+    if "vllm-router" in names:
+        parts = [
+            (c, results["router", c].us_per_event / results["vllm-router", c].us_per_event)
+            for c in levels
+            if results["router", c].events and results["vllm-router", c].events
+        ]
+        met = len(parts) == len(levels) and all(x <= 0.6 for _, x in parts)
+        print(
+            "  CPU per relayed event, router / vllm-router: "
+            + ", ".join(f"concurrency {c} {x:.2f}x" for c, x in parts)
+            + f" (at most 0.6x at each): {'met' if met else 'MISSED'}"
+        )
+    else:
+        print("  CPU per relayed event against vllm-router: not measured (see above)")
+
+    print("earlier targets (the router's issue):")
+    if 1 in levels:
+        a = added("router", 1, 0.5)
+        print(
+            f"  added TTFB p50 at concurrency 1: router {a * 1000:.2f} ms (target < 1 ms: {'met' if a < 0.001 else 'MISSED'})"
+            + (f"; bare relay {added('relay', 1, 0.5) * 1000:.2f} ms" if "relay" in names else "")
+        )
+    r, engine = per_event("router"), per_event("direct")
+    floor = per_event("relay") if "relay" in names else float("nan")
+    print(
+        f"  CPU per relayed event, all levels: router {r:.1f} us (target < 30 us: {'met' if r < 30 else 'MISSED'}); "
+        f"bare relay {floor:.1f} us (router/relay {ratio(r, floor)}); the engine's own cost per event {engine:.1f} us"
+    )
+    if "relay" in names:
+        print(
+            "  CPU per relayed event by level (router / bare relay): "
+            + "; ".join(
+                f"concurrency {c}: {results['router', c].us_per_event:.1f} / "
+                f"{results['relay', c].us_per_event:.1f} us"
+                for c in levels
+                if results["router", c].events and results["relay", c].events
+            )
+        )
+    if "router-py" in names:
+        py = per_event("router-py")
+        print(
+            f"  CPU per relayed event with the Python relay pump, all levels: {py:.1f} us "
+            f"({ratio(py, r)} the router as built)"
+        )
+    if "litellm" not in names:
+        print("  LiteLLM ratios: not measured (see above)")
+        return
     # At equal added p99: LiteLLM's best throughput, against the router's best throughput among the
     # points where its added p99 is no worse than LiteLLM's there.
     best = max(levels, key=lambda c: results["litellm", c].rps)
@@ -721,14 +980,15 @@ def report(results: dict[tuple[str, int], Level], levels: list[int], with_litell
     within = [results["router", c] for c in levels if added("router", c, 0.99) <= ll_p99]
     if within and ll.rps:
         top = max(within, key=lambda level: level.rps)
-        ratio = top.rps / ll.rps
+        x = top.rps / ll.rps
         print(
             f"  at equal added p99 (LiteLLM's best: {ll.rps:.1f} req/s at concurrency {best}, +{ll_p99 * 1000:.1f} ms): "
-            f"router {top.rps:.1f} req/s, {ratio:.2f}x (target >= 3x: {'met' if ratio >= 3 else 'MISSED'})"
+            f"router {top.rps:.1f} req/s, {x:.2f}x (target >= 3x: {'met' if x >= 3 else 'MISSED'})"
         )
     else:
         print(
-            f"  at equal added p99: the router never had an added p99 as high as LiteLLM's best point (+{ll_p99 * 1000:.1f} ms)"
+            f"  at equal added p99: the router never had an added p99 as high as LiteLLM's best point "
+            f"(+{ll_p99 * 1000:.1f} ms)"
         )
 
 
