@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -187,6 +188,8 @@ class Demo:
         self.api_port = free_port()
         self.agent_port = free_port()
         self.router_port = router_port or free_port()
+        #: The admin API's token; empty: the demo's API has none and answers loopback clients only.
+        self.api_token = ""
 
     def spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(log, "ab") as out:
@@ -334,6 +337,17 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def ctl_lines(api: str, token: str = "") -> list[str]:
+    """What another shell needs for ``ctl`` to reach this demo's admin API, as lines to paste: the
+    API's address, its token when it has one, and a first command with this interpreter (the
+    shell's own ``python`` may not have llmgw installed)."""
+    lines = [f"export LLMGW_API={shlex.quote(api)}"]
+    if token:
+        lines.append(f"export LLMGW_API_TOKEN={shlex.quote(token)}")
+    lines.append(f"{shlex.quote(sys.executable)} -m control ctl nodes")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="llmgw demo: control plane, two agents, engines, router")
     parser.add_argument("--serve", action="store_true", help="keep serving after the demo (Ctrl-C to stop)")
@@ -359,6 +373,9 @@ def main() -> int:
                 say(
                     f"serving: the router listens on http://127.0.0.1:{demo.router_port}/v1 (model {demo.model}); Ctrl-C to stop"
                 )
+                say("for ctl in another shell, paste:")
+                for line in ctl_lines(f"http://127.0.0.1:{demo.api_port}", demo.api_token):
+                    print(line, flush=True)
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
                 signal.sigwait({signal.SIGINT, signal.SIGTERM})
         except KeyboardInterrupt:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 
@@ -33,4 +38,42 @@ def test_demo_runs_end_to_end() -> None:
     assert out.count("llama-3.1-8b-instruct-r") >= 4 and re.search(r"http://127\.0\.0\.[12]:21[01]\d\d", out)
     assert out.rstrip().endswith("demo | done")
     # Every engine the demo started is gone again.
+    assert sim_engines() <= before
+
+
+def test_demo_serve_prints_lines_that_make_ctl_work_in_another_shell() -> None:
+    """``--serve`` prints ``export LLMGW_API=...`` and a ctl command; run as printed, in a fresh
+    environment (another shell), ctl reaches the demo's admin API and shows both nodes ready."""
+    before = sim_engines()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "demo", "--serve"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or ()], daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        # The printed command is the first line after the exports without the "demo | " prefix.
+        while not (
+            seen and seen[-1].endswith(" -m control ctl nodes\n") and not seen[-1].startswith("demo |")
+        ):
+            try:
+                seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                raise AssertionError(f"no ctl lines within 240 s: {''.join(seen)}") from None
+        exports = [line for line in seen if line.startswith("export ")]
+        assert [line.split("=", 1)[0] for line in exports] == ["export LLMGW_API"], seen
+        shell = subprocess.run(
+            ["sh", "-c", "".join(exports) + seen[-1]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": os.environ.get("PATH", "")},  # nothing of this test's environment
+        )
+        assert shell.returncode == 0, shell.stderr
+        assert re.search(r"gpu01\s+ready", shell.stdout) and re.search(r"gpu02\s+ready", shell.stdout)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    assert proc.returncode == 0
     assert sim_engines() <= before
