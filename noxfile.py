@@ -1,4 +1,4 @@
-"""Project tasks: ``nox -s tests | chaos | e2e | engines | flags | lint | typecheck | proto | bench``.
+"""Project tasks: ``nox -s tests | chaos | e2e | engines | flags | lint | typecheck | fuzz | proto | bench``.
 
 Each session builds its own virtual environment from pyproject.toml, so what passes here passes on a
 fresh machine with only Python 3.11 and the package registries.
@@ -99,6 +99,16 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     session.install("-e", ".[test,dev,engines]")
     session.run("mypy", *CHECKED)
+
+
+@nox.session(python="3.11")
+def fuzz(session: nox.Session) -> None:
+    """The native relay pump built with AddressSanitizer and UndefinedBehaviorSanitizer, fed
+    malformed engine bytes: the differential test against the Python scanner, thousands of random
+    bodies through its thread, and its own tests (tests/fuzz/asan.py; Linux with gcc or clang).
+    Bounded by ``--timeout`` (900 s by default); ``nox -s fuzz -- --cases 500`` for a short run."""
+    session.install("-e", ".[test,dev]")
+    session.run("python", "-m", "tests.fuzz.asan", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -9,6 +9,7 @@ take a body's end where the other does not."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -17,6 +18,9 @@ from hypothesis import strategies as st
 from router.framing import MAX_CHUNK_LINE, ChunkedScanner, UpstreamBroken
 
 _pump = pytest.importorskip("router._pump", reason="the native relay pump (router/_pump.c) is not built")
+
+# More under ``nox -s fuzz`` (tests/fuzz/asan.py), where the native scanner runs under the sanitizers.
+EXAMPLES = int(os.environ.get("LLMGW_FUZZ_EXAMPLES", "600"))
 
 Outcome = tuple[str, int, tuple[int, int, bytes]]  # ("ok" or "error", bytes used, state after)
 
@@ -134,7 +138,7 @@ INPUTS = st.one_of(valid_body(), mutated(), st.binary(max_size=64))
 TAIL = st.sampled_from([b"", b"HTTP/1.1 200 OK\r\n", b"5\r\nhello\r\n"])  # the next response's bytes
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=INPUTS, tail=TAIL, cuts=st.lists(st.integers(0, 400), max_size=6))
 @example(data=b"-5\r\nhello\r\n0\r\n\r\n", tail=b"", cuts=[])
 @example(data=b"0x5\r\nhello\r\n0\r\n\r\n", tail=b"", cuts=[2])
@@ -146,7 +150,7 @@ def test_the_two_scanners_agree_on_any_input_split_anywhere(
 
 
 @given(body=valid_body(), tail=TAIL, cuts=st.lists(st.integers(0, 400), max_size=6))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_a_valid_body_ends_exactly_at_its_end(body: bytes, tail: bytes, cuts: list[int]) -> None:
     """Whatever follows a body (another response's bytes) is never taken as part of it."""
     bounds = [0, *sorted({c for c in cuts if 0 < c < len(body)}), len(body) + len(tail)]

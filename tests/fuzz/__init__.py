@@ -1,0 +1,1 @@
+"""Malformed input against the native relay pump, also under AddressSanitizer (``nox -s fuzz``)."""
