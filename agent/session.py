@@ -288,8 +288,10 @@ class Session:
         elif command.logs is not None:
             req = command.logs
             try:
-                lines = await self.supervisor.logs(req.shard_id, req.lines or 100)
-                reply = schema.LogsReply(request_id=mid, shard_id=req.shard_id, lines=lines)
+                lines, offset = await self.supervisor.read_log(
+                    req.shard_id, min(req.lines or 100, 10_000), previous=req.previous, after=req.after
+                )
+                reply = schema.LogsReply(request_id=mid, shard_id=req.shard_id, lines=lines, offset=offset)
             except KeyError as exc:
                 reply = schema.LogsReply(
                     request_id=mid, shard_id=req.shard_id, error=f"{self.node_id}: {exc.args[0]}"

@@ -457,13 +457,22 @@ class AgentService:
         return node_id in self.streams
 
     async def request_logs(
-        self, node_id: str, shard_id: str, lines: int, timeout: float = 10.0
+        self,
+        node_id: str,
+        shard_id: str,
+        lines: int,
+        timeout: float = 10.0,
+        *,
+        previous: bool = False,
+        after: int | None = None,
     ) -> schema.LogsReply:
-        """Ask the agent for the tail of a shard's log; raises ``LookupError`` when it cannot answer."""
+        """Ask the agent for the tail of a shard's log (or its run before the last restart, or the
+        lines after a follower's offset); raises ``LookupError`` when it cannot answer."""
         current = self.streams.get(node_id)
         if current is None:
             raise LookupError(f"{node_id} is not connected")
-        message = self._message(logs=schema.LogsRequest(shard_id=shard_id, lines=lines))
+        request = schema.LogsRequest(shard_id=shard_id, lines=lines, previous=previous, after=after)
+        message = self._message(logs=request)
         send, receive = trio.open_memory_channel[schema.LogsReply](1)
         self._log_waiters[message.message_id] = send
         try:

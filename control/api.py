@@ -9,6 +9,8 @@ agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times ar
     GET  /api/replicas              every placed replica and its shards' observed states
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
     GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
+                                    (&previous=1: the run before its last restart; &after=OFFSET:
+                                    the lines past a reply's offset, for ctl logs -f)
     POST /api/cordon/NODE           NODE takes no new replicas; what runs there stays
     POST /api/drain/NODE[?force=1]  cordon NODE and move its replicas (replacements first); 409 with
                                     the reason when a model would be left without a ready replica
@@ -269,7 +271,11 @@ def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
     }
 
 
-async def logs_doc(query: ControlQuery, shard_id: str, lines: int) -> dict[str, Any]:
+async def logs_doc(
+    query: ControlQuery, shard_id: str, lines: int, *, previous: bool = False, after: int | None = None
+) -> dict[str, Any]:
+    if lines < 0 or (after is not None and after < 0):
+        raise ApiError(400, f"logs of {shard_id}: lines and after are counts, 0 or more")
     # Nodes that report the shard first, then those it is placed on; each asked once.
     view = query.view()
     holders = [n.node_id for n in view.nodes.values() if shard_id in n.shards]
@@ -280,14 +286,21 @@ async def logs_doc(query: ControlQuery, shard_id: str, lines: int) -> dict[str, 
     errors = []
     for node_id in holders:
         try:
-            reply = await query.request_logs(node_id, shard_id, lines)
+            reply = await query.request_logs(node_id, shard_id, lines, previous=previous, after=after)
         except LookupError as exc:
             errors.append(str(exc))
             continue
         if reply.error:
             errors.append(reply.error)
             continue
-        return {"shard_id": shard_id, "node_id": node_id, "lines": list(reply.lines)}
+        return {
+            "shard_id": shard_id,
+            "node_id": node_id,
+            "lines": list(reply.lines),
+            "previous": previous,
+            # Where these lines end in the live log: ``ctl logs -f`` asks for ``after=offset`` next.
+            "offset": reply.offset,
+        }
     raise ApiError(503, f"logs of {shard_id} unavailable: {'; '.join(errors)}")
 
 
@@ -503,7 +516,14 @@ def make_app(query: ControlQuery, guard: ApiGuard) -> Callable[[Scope, Receive, 
                 body = why_doc(query.view(), parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "logs"]:
                 lines = int(params.get("lines", ["100"])[0])
-                body = await logs_doc(query, parts[2], lines)
+                after_text = params.get("after", [""])[0]
+                body = await logs_doc(
+                    query,
+                    parts[2],
+                    lines,
+                    previous=params.get("previous", ["0"])[0] in ("1", "true", "yes"),
+                    after=int(after_text) if after_text else None,
+                )
             elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
                 force = params.get("force", ["0"])[0] in ("1", "true", "yes")
                 try:

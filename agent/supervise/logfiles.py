@@ -23,6 +23,7 @@ Every function here blocks on the filesystem: the supervisor calls them from a w
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Iterable
@@ -87,43 +88,164 @@ def _copy_to_end(src: int, dst: int, offset: int) -> int:
         offset += sent
 
 
-def _last_lines(path: Path) -> list[str] | None:
-    """The lines of the last ``TAIL_READ_BYTES`` of ``path``; ``None`` when it cannot be read."""
+def _last_lines(path: Path) -> tuple[list[str], int] | None:
+    """The lines of the last ``TAIL_READ_BYTES`` of ``path``, and the offset where they end;
+    ``None`` when it cannot be read."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - TAIL_READ_BYTES))
+            start = max(0, size - TAIL_READ_BYTES)
+            f.seek(start)
             data = f.read()
     except OSError:
         return None
-    return data.decode("utf-8", "replace").splitlines()
+    return data.decode("utf-8", "replace").splitlines(), start + len(data)
 
 
 def tail(path: Path | None, n: int, *, generations: int = 1, redact: Iterable[str] = ()) -> list[str]:
     """The last ``n`` lines of a log, reading older generations (``SHARD.log.1`` ...) too when the
     live file has fewer lines than asked for (it was just rotated), with each secret in ``redact``
     replaced by ``***``: an engine may print its own command line, key included."""
-    if path is None or n <= 0:
-        return []
+    return tail_and_offset(path, n, generations=generations, redact=redact)[0]
+
+
+def tail_and_offset(
+    path: Path | None, n: int, *, generations: int = 1, redact: Iterable[str] = ()
+) -> tuple[list[str], int]:
+    """``tail``, and the offset in the live file where its lines end: where a follower
+    (``read_after``) goes on from, so no line is shown twice or skipped."""
+    if path is None:
+        return [], 0
     lines: list[str] = []
+    offset = 0
     for g in range(0, max(generations, 0) + 1):
         got = _last_lines(generation(path, g))
         if got is None:
             if g == 0:
                 continue  # rotated away or not created yet: the older generation may still answer
             break
-        lines = got + lines
+        if g == 0:
+            offset = got[1]
+        lines = got[0] + lines
         if len(lines) >= n:
             break
-    lines = lines[-n:]
+    return redact_lines(lines[-n:] if n > 0 else [], redact), offset
+
+
+def redact_lines(lines: list[str], redact: Iterable[str] = ()) -> list[str]:
+    """``lines`` with each secret in ``redact``, and any key written as an argument, shown as ``***``."""
     secrets = [s for s in redact if s]
-    for i, line in enumerate(lines):
+    out = []
+    for line in lines:
         for secret in secrets:
             if secret in line:
                 line = line.replace(secret, REDACTED)
-        lines[i] = KEY_IN_TEXT.sub(lambda m: m.group(1) + REDACTED, line)
-    return lines
+        out.append(KEY_IN_TEXT.sub(lambda m: m.group(1) + REDACTED, line))
+    return out
 
 
-__all__ = ["KEY_IN_TEXT", "REDACTED", "TAIL_READ_BYTES", "generation", "rotate", "tail"]
+def read_after(path: Path, offset: int, *, redact: Iterable[str] = ()) -> tuple[list[str], int]:
+    """The whole lines written to the live log after ``offset`` (at most ``TAIL_READ_BYTES`` of
+    them: the rest comes with the next call), and the offset to go on from: ``ctl logs -f``.
+
+    A rotation truncates the live file (copytruncate), so an offset past its end means the lines
+    after it were copied to ``SHARD.log.1``: those are returned, and the follower goes on from the
+    start of the live file. A partial last line waits for its newline."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return [], 0
+    source, start = path, offset
+    if offset > size:
+        source = generation(path, 1)
+    try:
+        with open(source, "rb") as f:
+            f.seek(start)
+            data = f.read(TAIL_READ_BYTES)
+    except OSError:
+        data = b""
+    if source != path:
+        # The rest of the rotated copy, partial line included (nothing more will be added to it).
+        return redact_lines(data.decode("utf-8", "replace").splitlines(), redact), 0
+    end = data.rfind(b"\n") + 1
+    if end == 0 and len(data) == TAIL_READ_BYTES:
+        end = len(data)  # one line longer than a read: passed on in pieces rather than never
+    return redact_lines(data[:end].decode("utf-8", "replace").splitlines(), redact), offset + end
+
+
+#: How each engine start begins in the log (``supervisor._spawn`` writes it before the engine runs).
+START_MARKER = b"=== llmgw "
+
+
+def _start_markers(path: Path) -> list[int]:
+    """Offsets of the start lines in one log file, last first. Blocks (a scan of the file, in the
+    kernel's page cache through mmap: a 50 MiB file is scanned without being read into memory)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return []
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                found = []
+                end = len(mm)
+                while True:
+                    at = mm.rfind(b"\n" + START_MARKER, 0, end)
+                    if at < 0:
+                        break
+                    found.append(at + 1)
+                    end = at
+                if mm[: len(START_MARKER)] == START_MARKER:
+                    found.append(0)
+                return found
+    except (OSError, ValueError):
+        return []
+
+
+def previous_run(path: Path | None, n: int, *, generations: int = 1, redact: Iterable[str] = ()) -> list[str]:
+    """The last ``n`` lines of the engine run before the current one (``ctl logs --previous``):
+    what the log holds between its last two start lines, its start line included, across
+    rotations. Empty when the kept logs hold one run only."""
+    if path is None or n <= 0:
+        return []
+    found: list[tuple[int, int]] = []  # (generation, offset), newest first
+    for g in range(0, max(generations, 0) + 1):
+        found += [(g, at) for at in _start_markers(generation(path, g))]
+        if len(found) >= 2:
+            break
+    if len(found) < 2:
+        return []
+    (g_last, at_last), (g_prev, at_prev) = found[0], found[1]
+    # The run's text, newest piece first, until enough bytes for a tail are in hand.
+    pieces: list[bytes] = []
+    wanted = TAIL_READ_BYTES
+    for g in range(g_last, g_prev + 1):
+        lo = at_prev if g == g_prev else 0
+        try:
+            with open(generation(path, g), "rb") as f:
+                hi = at_last if g == g_last else f.seek(0, os.SEEK_END)
+                start = max(lo, hi - wanted)
+                f.seek(start)
+                data = f.read(hi - start)
+        except OSError:
+            break
+        pieces.insert(0, data)
+        wanted -= len(data)
+        if wanted <= 0:
+            break
+    lines = b"".join(pieces).decode("utf-8", "replace").splitlines()
+    return redact_lines(lines[-n:], redact)
+
+
+__all__ = [
+    "KEY_IN_TEXT",
+    "REDACTED",
+    "START_MARKER",
+    "TAIL_READ_BYTES",
+    "generation",
+    "previous_run",
+    "read_after",
+    "redact_lines",
+    "rotate",
+    "tail",
+    "tail_and_offset",
+]

@@ -646,6 +646,15 @@ class Supervisor:
     async def logs(self, shard_id: str, lines: int = 100) -> list[str]:
         """The tail of the shard's log; the log file outlives the shard, so an id this supervisor no
         longer holds is still answered when its file is there."""
+        return (await self.read_log(shard_id, lines))[0]
+
+    async def read_log(
+        self, shard_id: str, lines: int = 100, *, previous: bool = False, after: int | None = None
+    ) -> tuple[list[str], int]:
+        """What ``ctl logs`` asks for, and the offset in the live log where the lines end (the
+        cursor ``ctl logs -f`` sends back as ``after``): the tail (``logfiles.tail_and_offset``),
+        the run before the last restart (``previous``, ``logfiles.previous_run``), or the lines
+        written after ``after`` (``logfiles.read_after``)."""
         shard = self.shards.get(shard_id)
         path = shard.log_path if shard is not None else None
         if path is None and not shard_id_problem(shard_id):
@@ -655,9 +664,17 @@ class Supervisor:
         if shard is None and path is None:
             raise KeyError(f"no shard {shard_id!r} on this node")
         secrets = (shard.spec.api_key,) if shard is not None else ()
-        return await trio.to_thread.run_sync(
-            lambda: tail(path, lines, generations=self.log_generations, redact=secrets)
-        )
+
+        def read() -> tuple[list[str], int]:
+            if path is None:
+                return [], 0
+            if after is not None:
+                return logfiles.read_after(path, after, redact=secrets)
+            if previous:
+                return logfiles.previous_run(path, lines, generations=self.log_generations, redact=secrets), 0
+            return logfiles.tail_and_offset(path, lines, generations=self.log_generations, redact=secrets)
+
+        return await trio.to_thread.run_sync(read)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
