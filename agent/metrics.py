@@ -9,7 +9,8 @@ listen elsewhere). Every series is a ``prometheus_client`` metric in the agent's
 - ``llmgw_agent_engines{state}``: the supervisor's shards by state;
 - ``llmgw_agent_probe_failures_total``: READY engines the liveness probe turned UNHEALTHY;
 - ``llmgw_agent_engines_adopted_total`` (engines found running at start and adopted, each an agent
-  restart that cost no model reload) and ``llmgw_agent_engine_spawns_total``;
+  restart that cost no model reload), ``llmgw_agent_engine_spawns_total`` and
+  ``llmgw_agent_engine_failures_total`` (shards that became FAILED);
 - the process, platform and GC collectors (``process_resident_memory_bytes``, ...).
 
 Values are updated on the trio thread (the session and the supervisor watcher below); a scrape
@@ -78,6 +79,12 @@ class AgentMetrics:
             registry=r,
         )
         self.spawns = Counter("llmgw_agent_engine_spawns", "Engines this agent started.", registry=r)
+        self.failures = Counter(
+            "llmgw_agent_engine_failures",
+            "Shards that became FAILED: refused before launch, not started, not ready in time, or "
+            "exited on their own.",
+            registry=r,
+        )
         self.supervisor: Supervisor | None = None
         self.state = "connecting"
         self.since = time.time()
@@ -111,10 +118,12 @@ class AgentMetrics:
     # -- the supervisor ------------------------------------------------------------------------
 
     async def watch(self, supervisor: Supervisor) -> None:
-        """Follow the supervisor's state changes until cancelled: shards by state, transitions into
-        UNHEALTHY, adoptions and spawns. It wakes on ``any_change``; two changes of one shard
-        between wake-ups (READY to UNHEALTHY and back within one scheduling tick) count as none,
-        which the liveness probe's period (seconds) makes moot."""
+        """Follow the supervisor's state changes until cancelled: shards by state, adoptions,
+        spawns, failures and transitions into UNHEALTHY. It wakes on ``any_change``; two changes of
+        one shard between wake-ups (READY to UNHEALTHY and back within one scheduling tick) count
+        as none, which the liveness probe's period (seconds) makes moot. Shards are keyed by object
+        (a restarted shard is a new object under the same id), and held while known, so an id()
+        is never reused for another shard under our eyes."""
         self.supervisor = supervisor
         last: dict[int, tuple[Shard, schema.ShardState]] = {}
         while True:
@@ -122,23 +131,24 @@ class AgentMetrics:
             seen: dict[int, tuple[Shard, schema.ShardState]] = {}
             counts = dict.fromkeys(ENGINE_STATES, 0)
             for shard in supervisor.shards.values():
-                seen[id(shard)] = (shard, shard.state)
-                if shard.state in counts:
-                    counts[shard.state] += 1
+                state = shard.state
+                seen[id(shard)] = (shard, state)
+                if state in counts:
+                    counts[state] += 1
                 before = last.get(id(shard))
                 if before is None:
                     if shard.adopted:
                         self.adopted.inc()
                     elif shard.pid:
                         self.spawns.inc()
-                    else:
-                        continue  # refused before any spawn, or not spawned yet: looked at again
-                elif shard.state is schema.ShardState.UNHEALTHY and before[1] is schema.ShardState.READY:
+                previous = before[1] if before is not None else None
+                if state is schema.ShardState.FAILED and previous is not schema.ShardState.FAILED:
+                    self.failures.inc()
+                if state is schema.ShardState.UNHEALTHY and previous is schema.ShardState.READY:
                     self.probe_failures.inc()
             for state, count in counts.items():
                 self.engines.labels(state=state.name.lower()).set(count)
-            # A shard refused before any spawn is neither adopted nor spawned, and never will be.
-            last = {k: v for k, v in seen.items() if v[0].adopted or v[0].pid}
+            last = seen
             await changed.wait()
 
     # -- the admin port ------------------------------------------------------------------------

@@ -93,6 +93,8 @@ class RouteWatch:
         self._clock = clock
         self._holding = True
         self._hold_began: float | None = None
+        #: Set by :meth:`methods`: the agent port is about to serve, the fleet has been restored.
+        self._open = False
         #: One control-plane run: a restarted control plane starts a new epoch at revision 1.
         self.epoch = secrets.token_hex(8)
         self.revision = 0
@@ -102,7 +104,12 @@ class RouteWatch:
         self.watchers = 0
 
     def methods(self) -> dict[str, Handler]:
-        """The RPCs this serves, by HTTP/2 path, for ``StreamServer(methods=...)``."""
+        """The RPCs this serves, by HTTP/2 path, for ``StreamServer(methods=...)``.
+
+        Called once the plane has restored its state and builds its server: tables published
+        before that (the embedded router's first, built before the restore) neither go out nor end
+        the hold, since the restored nodes are not in them yet."""
+        self._open = True
         return {schema.WATCH_ROUTES_PATH: self.handle}
 
     def publish(self, table: Mapping[str, ModelRoutes], nodes: Iterable[Node] = ()) -> None:
@@ -111,6 +118,8 @@ class RouteWatch:
         ``nodes`` is the fleet: while a node restored at start has not registered again (and is not
         lost), the table is held back, up to ``hold_limit`` seconds after the first publish.
         """
+        if not self._open:
+            return
         if self._holding:
             now = self._clock()
             if self._hold_began is None:

@@ -12,12 +12,20 @@ import io
 import json
 import logging
 import os
+import signal
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+import schema
+from agent.engines import LaunchContext, ProfileRefused
+from agent.metrics import AgentMetrics
+from agent.supervise import LivenessProbe, Supervisor, procfs
 from telemetry.http import Listen, parse_listen
 from telemetry.logs import JsonFormatter, LogSettings, LogSettingsError, log_settings, setup_logging
 from tests.fleet_procs import free_port, one_node, poll
@@ -189,3 +197,109 @@ def test_log_settings_flags_over_environment_over_defaults() -> None:
         LogSettingsError, match=r"--log-format 'xml' is not a log format; use one of text, json"
     ):
         log_settings("xml", None, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# The supervisor's series, from a real supervisor with sim engines in this process
+
+
+SIM = (sys.executable, "-m", "agent.engines.sim")
+
+
+def make_supervisor(tmp_path: Path) -> Supervisor:
+    return Supervisor(
+        node_id="cpu01",
+        state_dir=tmp_path / "state",
+        log_dir=tmp_path / "logs",
+        gpus=(),
+        launch_context=lambda _: LaunchContext(argv_prefix=SIM, host="127.0.0.1"),
+        stop_grace=3,
+        poll_interval=0.05,
+        liveness=LivenessProbe(period=0.2, timeout=0.2, failures=2),
+    )
+
+
+def sim_spec(shard_id: str, port: int, **profile: object) -> schema.StartShard:
+    fields: dict[str, object] = {
+        "engine": "sim",
+        "model": "org/tiny",
+        "served_model_name": "tiny",
+        "env": {"LLMGW_SIM_LOAD_SECONDS": "0.2"},
+        **profile,
+    }
+    return schema.StartShard(
+        shard_id=shard_id,
+        replica_id="r0",
+        profile=schema.EngineProfile(**fields),  # type: ignore[arg-type]
+        http_port=port,
+        ready_timeout_seconds=30,
+    )
+
+
+def value(metrics: AgentMetrics, name: str, **labels: str) -> float:
+    found = metrics.registry.get_sample_value(name, labels)
+    assert found is not None, name
+    return found
+
+
+async def until(what: str, check: Callable[[], bool], timeout: float = 30) -> None:
+    """Poll ``check`` on the trio clock, bounded, naming what it waited for. Polled rather than
+    woken by ``any_change``: the values are set by the metrics watcher, another task woken by the
+    same event, which may not have run yet when this one wakes."""
+    with trio.move_on_after(timeout) as scope:
+        while not check():  # noqa: ASYNC110
+            await trio.sleep(0.05)
+    assert not scope.cancelled_caught, f"timed out after {timeout} s waiting for {what}"
+
+
+def end_engines(supervisor: Supervisor) -> None:
+    for engine in procfs.find_engines(supervisor.owner):
+        os.killpg(engine.pid, signal.SIGKILL)
+
+
+async def test_engine_series_follow_a_real_supervisor(tmp_path: Path) -> None:
+    """Spawned, READY, a SIGSTOPped engine's liveness failure (UNHEALTHY, then READY again after
+    SIGCONT), a start refused before launch (FAILED), and, in a second supervisor on the same state
+    directory (an agent restart), the engine adopted rather than spawned."""
+    first = make_supervisor(tmp_path)
+    metrics = AgentMetrics("cpu01", "test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        nursery.start_soon(metrics.watch, first)
+        try:
+            shard = await first.start(sim_spec("m-s0", free_port()))
+            await until("READY", lambda: value(metrics, "llmgw_agent_engines", state="ready") == 1)
+            assert value(metrics, "llmgw_agent_engine_spawns_total") == 1
+            assert value(metrics, "llmgw_agent_probe_failures_total") == 0
+            os.kill(shard.pid, signal.SIGSTOP)
+            await until("a probe failure", lambda: value(metrics, "llmgw_agent_probe_failures_total") == 1)
+            assert value(metrics, "llmgw_agent_engines", state="unhealthy") == 1
+            os.kill(shard.pid, signal.SIGCONT)
+            await until("READY again", lambda: value(metrics, "llmgw_agent_engines", state="ready") == 1)
+
+            with pytest.raises(ProfileRefused):
+                await first.start(sim_spec("bad-s0", free_port(), dtype="float7"))
+            await until("a FAILED shard", lambda: value(metrics, "llmgw_agent_engine_failures_total") == 1)
+            assert value(metrics, "llmgw_agent_engines", state="failed") == 1
+            assert value(metrics, "llmgw_agent_engine_spawns_total") == 1  # the refusal spawned nothing
+            assert metrics.health()[1]["engines"] == {"ready": 1, "failed": 1}
+            nursery.cancel_scope.cancel()  # the agent stops; the engine keeps serving
+        except BaseException:
+            end_engines(first)
+            raise
+    second = make_supervisor(tmp_path)
+    again = AgentMetrics("cpu01", "test")
+    assert again.health()[0] == 503  # no supervisor yet: starting
+    async with trio.open_nursery() as nursery:
+        await nursery.start(second.run)
+        nursery.start_soon(again.watch, second)
+        try:
+            await until(
+                "the adoption counted", lambda: value(again, "llmgw_agent_engines_adopted_total") == 1
+            )
+            assert value(again, "llmgw_agent_engine_spawns_total") == 0
+            assert value(again, "llmgw_agent_engines", state="ready") == 1
+            assert again.health()[0] == 200
+        finally:
+            end_engines(second)
+            nursery.cancel_scope.cancel()

@@ -182,12 +182,14 @@ class ServerStream:
     error: TransportError | None = None
     #: Messages received so far (the first is bounded by ``ServerLimits.max_first_message_size``).
     received: int = 0
+    #: Who calls, for log lines before a node names itself (a route watcher is not an agent).
+    caller: str = "an agent"
 
     def describe(self) -> str:
         """``node 'gpu01' (10.0.0.7:51234)`` for log lines; the peer's words escaped and bounded."""
         if self.node_id:
             return f"node {peer_text(self.node_id, 128)} ({self.peer.address})"
-        return f"an agent at {self.peer.address}"
+        return f"{self.caller} at {self.peer.address}"
 
     def _note(self, message: schema.AgentMessage) -> schema.AgentMessage:
         self.received += 1
@@ -983,6 +985,8 @@ class StreamServer:
         response_ctype = b"application/grpc+proto" if ctype == b"application/grpc+proto" else ctype
         conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", response_ctype)])
         st = _H2ServerStream(self, transport, stream_id, protocol, peer, headers)
+        if handler is not self.handler:
+            st.caller = f"a {headers.get(':path', '').rsplit('/', 1)[-1]} caller"
         if event.stream_ended is not None:
             st.on_remote_end()
         nursery.start_soon(self._run_h2_stream, st, handler)
