@@ -787,6 +787,9 @@ def load_all(
         path = DEFAULT_CONFIG
     file_layer = _from_file(path) if path else Layered({}, {})
     layered = _merge(file_layer, _from_env(environ), _from_flags(ns))
+    if isinstance(layered.values.get("metrics_listen"), int):
+        # metrics_listen = 9101 in the file: a port alone, as the flag takes it.
+        layered.values["metrics_listen"] = str(layered.values["metrics_listen"])
     if "node_id" not in layered.values:
         layered.values["node_id"] = default_node_id(hostname())
         layered.sources["node_id"] = HOST_NAME_SOURCE

@@ -114,7 +114,9 @@ class JsonFormatter(logging.Formatter):
             if key not in _STANDARD and key not in doc and not key.startswith("_"):
                 doc[key] = value
         # default=str: an extra field holding a path or an enum is written as text, never dropped.
-        return json.dumps(doc, default=str, ensure_ascii=False)
+        # ASCII only: a lone surrogate (bytes a peer sent, decoded with surrogateescape) becomes
+        # \udcxx instead of a line the stream cannot encode and logging drops.
+        return json.dumps(doc, default=str)
 
 
 def setup_logging(settings: LogSettings, stream: TextIO | None = None) -> None:

@@ -126,8 +126,10 @@ def test_log_settings_come_with_the_config() -> None:
         load_all(BASE, {"LLMGW_LOG_FORMAT": "yaml"})
 
 
-def test_metrics_listen_is_checked_with_its_source() -> None:
+def test_metrics_listen_is_checked_with_its_source(tmp_path: Path) -> None:
     assert load([*BASE, "--metrics-listen", "9100"], {}).metrics_listen == "9100"
+    path = write(tmp_path, "metrics_listen = 9101\n")  # a port alone, as TOML writes a number
+    assert load([*BASE, "--config", str(path)], {}).metrics_listen == "9101"
     with pytest.raises(ConfigError) as info:
         load(BASE, {"LLMGW_AGENT_METRICS_LISTEN": "localhost:http"})
     assert "metrics_listen 'localhost:http': the port 'http' is not 0-65535" in str(info.value)

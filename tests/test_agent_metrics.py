@@ -161,7 +161,7 @@ def test_json_lines_escape_what_they_carry_and_keep_extra_fields() -> None:
     setup_logging(LogSettings(format="json", level="debug"), out)
     try:
         log = logging.getLogger("llmgw.test")
-        log.info('peer said "hi"\nforged line', extra={"shard_id": "r1-s0", "path": Path("/x")})
+        log.info('peer said "hi"\nforged line\udcff', extra={"shard_id": "r1-s0", "path": Path("/x")})
         try:
             raise RuntimeError("boom")
         except RuntimeError:
@@ -171,8 +171,10 @@ def test_json_lines_escape_what_they_carry_and_keep_extra_fields() -> None:
         setup_logging(LogSettings())
     lines = out.getvalue().splitlines()
     assert len(lines) == 3, lines
+    # ASCII only: a stream that encodes to UTF-8 (stderr) cannot choke on the lone surrogate.
+    assert all(line.isascii() for line in lines)
     first, second, third = (json.loads(line) for line in lines)
-    assert first["message"] == 'peer said "hi"\nforged line' and first["shard_id"] == "r1-s0"
+    assert first["message"] == 'peer said "hi"\nforged line\udcff' and first["shard_id"] == "r1-s0"
     assert first["path"] == "/x" and first["level"] == "info" and first["logger"] == "llmgw.test"
     assert second["level"] == "error" and "RuntimeError: boom" in second["exception"]
     assert third["level"] == "debug"
