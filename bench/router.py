@@ -467,6 +467,18 @@ class Level:
         """The process's on-CPU microseconds per SSE event the clients got."""
         return self.cpu / self.events * 1e6 if self.events else float("nan")
 
+    def add(self, more: Level) -> None:
+        """Fold another round of the same target at the same concurrency into this one."""
+        self.requests += more.requests
+        self.errors += more.errors
+        self.events += more.events
+        self.ttfb += more.ttfb
+        self.gaps += more.gaps
+        self.seconds += more.seconds
+        self.cpu += more.cpu
+        self.cpu_live += more.cpu_live
+        self.rss = max(self.rss, more.rss)
+
 
 def pct(values: Sequence[float], q: float) -> float:
     if not values:
@@ -538,6 +550,10 @@ async def client(port: int, request: bytes, record_from: float, level: Level) ->
                             gaps.append(now - last)
                         last = now
                         events += n
+                        # Counted as they arrive, not when the response ends: the CPU column is
+                        # the proxy's time over the events of the same span, and the streams cut
+                        # at the end of a round were relayed in part.
+                        level.events += n
                     if scanner is not None:
                         scanner.feed(body)
                         if scanner.done:
@@ -551,7 +567,6 @@ async def client(port: int, request: bytes, record_from: float, level: Level) ->
                     if scanner is None and remaining < 0:
                         break
                     raise ConnectionError("closed mid-response")
-            level.events += events
             if not head.keep_alive or (scanner is None and remaining < 0):
                 sock.close()
                 sock = None
@@ -649,7 +664,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--concurrency", default="1,32,256", help="comma list (default 1,32,256)")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point")
-    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each round's measurement")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="split each point into this many rounds, the targets taking turns (default 3), so that "
+        "a neighbour's load on a shared machine falls on every target alike",
+    )
     parser.add_argument(
         "--min-requests",
         type=int,
@@ -671,6 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="skip the router run with its Python relay pump (--skip router-py)",
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     unknown = skip - set(OPTIONAL)
     if unknown:
@@ -764,7 +788,7 @@ def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) 
     print(
         f"router bench: one sim engine, {TOKENS} tokens per streamed chat request, ITL {args.itl_ms:g} ms, "
         f"TTFT {args.ttft_ms:g} ms; {args.seconds:g} s per point ({longer or 'none longer'}) "
-        f"after {args.warmup:g} s of warm-up; "
+        f"in {args.rounds} rounds, the targets taking turns, each after {args.warmup:g} s of warm-up; "
         f"{cpus} CPUs shared by the engine, the proxies and this load generator"
     )
     print(
@@ -794,13 +818,19 @@ def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) 
     notes: list[str] = []
     path = "/v1/chat/completions"
     for c in levels:
+        # Rounds, each target in turn and the order turned each round: the machine is shared, and
+        # what runs beside the bench changes by the minute; interleaved, every target sees it alike.
+        for r in range(args.rounds):
+            order = targets[r % len(targets) :] + targets[: r % len(targets)]
+            for t in order:
+                busy = settle([u.proc.proc.pid for u in targets])
+                if busy:
+                    notes.append(f"before {t.name} at concurrency {c}: {busy}")
+                request = request_bytes(t.proc.port, path, t.key)
+                part = measure(t.proc.port, request, c, args.warmup, window(c) / args.rounds, t.proc.proc.pid)
+                results.setdefault((t.name, c), Level()).add(part)
         for t in targets:
-            busy = settle([u.proc.proc.pid for u in targets])
-            if busy:
-                notes.append(f"before {t.name} at concurrency {c}: {busy}")
-            request = request_bytes(t.proc.port, path, t.key)
-            level = measure(t.proc.port, request, c, args.warmup, window(c), t.proc.proc.pid)
-            results[t.name, c] = level
+            level = results[t.name, c]
             missed = level.cpu - level.cpu_live
             if level.cpu > 0 and missed > max(0.05 * level.cpu, 0.002):
                 notes.append(
