@@ -1,24 +1,9 @@
 """``python -m control --config llmgw.toml`` runs the control plane; ``python -m control ctl ...`` asks it.
 
-``ctl`` subcommands (``--api http://127.0.0.1:7080``, or ``LLMGW_API``), each as a readable table or
-with ``--json`` as the API's JSON; ``--api`` and ``--json`` go before or after the subcommand. Exit
-status: 0 done, 1 the operation failed (the API said no, or could not be reached), 2 a usage mistake.
-The admin API's token comes from ``--token-file PATH`` or ``LLMGW_API_TOKEN`` (none: only a control
-plane on this machine without ``[api]`` tokens answers); for HTTPS, ``--cacert`` (or
-``LLMGW_API_CACERT``) and, with mutual TLS, ``--cert``/``--key``.
-
-    nodes            every node, its state and why, GPUs free/total, fabrics
-    replicas         every placed replica, its shards, where they run and in what state
-    why MODEL        why MODEL's replicas are placed where they are, or why they cannot run
-    logs SHARD       the tail of a shard's engine log, fetched from its agent over the stream
-    cordon NODE      NODE takes no new replicas; what runs there stays
-    drain NODE       cordon NODE and move its replicas elsewhere (replacements first); refused when
-                     a model would be left without a ready replica, unless --force; --wait shows
-                     progress until NODE is empty (exit 1 if --timeout S passes first)
-    uncordon NODE    undo a cordon or a drain (replicas that already moved stay where they are)
-    token            the cluster join token: agents join with --token (or LLMGW_AGENT_TOKEN) set to it
-    node reset NODE  forget NODE's credential, so it can join again with the join token (a node
-                     reinstalled on purpose; until then nothing can speak for it with the token)
+``ctl`` (``control.ctl``) is the operator's client: ``get nodes|replicas|models``, ``describe``,
+``logs -f``, ``cordon``, ``drain`` and the rest, each with ``--help``. Exit status, for both: 0 done,
+1 the operation failed (the API said no, or could not be reached), 2 a usage mistake (for the
+server: a configuration it cannot run).
 """
 
 from __future__ import annotations
@@ -26,344 +11,23 @@ from __future__ import annotations
 import argparse
 import errno
 import gc
-import json
 import logging
 import os
-import re
 import signal
 import socket
-import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import httpx
 import trio
 
 from control.config import ConfigError, ControlConfig, Listen, line_of, parse, read
+from control.ctl import EXIT_CODES, ctl, version
+from control.ctl import render as render  # re-exported: tests and scripts import it from here
 from control.plane import ControlPlane
 from control.transport import ServerTLS
 
 log = logging.getLogger("llmgw.control")
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in [header, *rows]
-    ]
-    return "\n".join(lines)
-
-
-def engines_cell(engines: list[dict[str, str]]) -> str:
-    """``ctl nodes``' ENGINES column: each installed engine with its version, then those the node
-    lacks ("sim 0.18.0, vllm 0.18.0; missing: sglang, trtllm"); an engine whose version could not
-    be read is "NAME ?" (``--json`` has every reason in full)."""
-    found, missing = [], []
-    for e in engines:
-        if e["version"]:
-            found.append(f"{e['engine']} {e['version']}")
-        elif "command not found" in e["error"] or "not installed" in e["error"]:
-            missing.append(e["engine"])
-        else:
-            found.append(f"{e['engine']} ?")
-    text = ", ".join(found) or ("none" if engines else "-")
-    return text + (f"; missing: {', '.join(missing)}" if missing else "")
-
-
-def render(command: str, doc: Any) -> str:
-    if command == "nodes":
-        insecure = any(n.get("insecure") for n in doc)
-        warning = (
-            "WARNING: insecure = true: this control plane accepts agents with no authentication\n"
-            if insecure
-            else ""
-        )
-        rows = [
-            [
-                n["node_id"],
-                n["state"] + (" (draining)" if n["draining"] else " (cordoned)" if n.get("cordoned") else ""),
-                f"{n['since_s']:g}s",
-                f"{n['gpus_free']}/{n['gpus']}",
-                n["gpu_model"] or "-",
-                ",".join(n["fabrics"]) or "-",
-                n["mgmt_addr"],
-                engines_cell(n.get("engines", [])),
-                n["reason"] + (f"; discovery: {n['discovery_error']}" if n["discovery_error"] else ""),
-            ]
-            for n in doc
-        ]
-        for row, n in zip(rows, doc, strict=True):
-            row.insert(2, n.get("auth") or "-")
-        header = [
-            "NODE",
-            "STATE",
-            "AUTH",
-            "SINCE",
-            "GPUS FREE",
-            "GPU",
-            "FABRICS",
-            "ADDRESS",
-            "ENGINES",
-            "REASON",
-        ]
-        return warning + _table(rows, header)
-    if command == "token":
-        return str(doc["token"])
-    if command == "node":
-        if doc["forgotten"]:
-            return f"{doc['node_id']}: credential forgotten; it joins again with the join token (`ctl token`)"
-        return f"{doc['node_id']}: had no credential here; it joins with the join token (`ctl token`)"
-    if command == "replicas":
-        rows = []
-        for r in doc:
-            for s in r["shards"]:
-                detail = s["error"]
-                if s["retry_in_s"] is not None:
-                    detail = f"{detail}; retry in {s['retry_in_s']:g}s (failures: {s['failures']})"
-                rows.append(
-                    [
-                        r["replica_id"],
-                        s["shard_id"],
-                        s["node_id"] + ("" if s["node_state"] == "ready" else f" ({s['node_state']})"),
-                        s["state"],
-                        ",".join(map(str, s["gpus"])) or "-",
-                        s["url"],
-                        f"{s['node_rank']}/{s['nnodes']}" + (f" {s['master']}" if s["master"] else ""),
-                        detail,
-                    ]
-                )
-        table = _table(rows, ["REPLICA", "SHARD", "NODE", "STATE", "GPUS", "URL", "RANK", "DETAIL"])
-        # A failed engine's last words, under the table: the reason is usually in them.
-        tails = [
-            f"\n{s['shard_id']} output (last {len(s['output_tail'])} lines):\n"
-            + "\n".join(f"  | {line}" for line in s["output_tail"])
-            for r in doc
-            for s in r["shards"]
-            if s["state"] == "failed" and s.get("output_tail")
-        ]
-        return "\n".join([table, *tails])
-    if command == "why":
-        out = [f"{doc['model']}: {len(doc['placed'])}/{doc['replicas_wanted']} replica(s) placed"]
-        for r in doc["placed"]:
-            where = ", ".join(
-                f"{s['node_id']} GPUs {','.join(map(str, s['gpus'])) or '-'}" for s in r["shards"]
-            )
-            out.append(f"  {r['replica_id']}: placed on {where} ({r['state']})")
-            for sh in r["shards"]:
-                # Why a placed shard is not serving, in the agent's (often the engine's) own words.
-                if sh.get("error"):
-                    retry = f"; retry in {sh['retry_in_s']:g} s" if sh.get("retry_in_s") else ""
-                    out.append(
-                        f"      {sh['shard_id']} on {sh['node_id']}: {sh['state']}: {sh['error']}{retry}"
-                    )
-        for u in doc["unplaced"]:
-            out.append(f"  {u['replica_id']}: cannot run: {u['reason']}")
-            for node, reason in sorted(u["per_node"].items()):
-                out.append(f"      {node}: {reason}")
-        return "\n".join(out)
-    if command == "logs":
-        return "\n".join(doc["lines"])
-    if command == "drain":
-        forced = " (forced)" if doc.get("forced") else ""
-        head = (
-            f"{doc['node_id']}: draining{forced}; its replicas move elsewhere, then its shards drain and stop"
-        )
-        return "\n".join([head, *(f"  {line}" for line in doc.get("moves", []))])
-    if command == "cordon":
-        node = doc["node_id"]
-        return f"{node}: {doc['cordon']}; takes no new replicas, keeps what runs (undo: ctl uncordon {node})"
-    if command == "uncordon":
-        was = f"was {doc['undone']}" if doc["undone"] else "was not cordoned"
-        return f"{doc['node_id']}: uncordoned ({was}); takes new replicas again"
-    return json.dumps(doc, indent=2)
-
-
-def drain_progress_line(doc: Any) -> str:
-    """One line of ``ctl drain --wait``: what still runs on the node, and each replacement's state."""
-    parts = []
-    for s in doc["shards"]:
-        where = f", replacement on {s['replacement']} {s['replacement_state']}" if s["replacement"] else ""
-        parts.append(f"{s['shard_id']} {s['state']}{where}")
-    return f"{doc['node_id']}: {len(parts)} shard(s) left: {'; '.join(parts)}"
-
-
-def _drain_wait(
-    api: str, node: str, timeout: float, poll_every: float = 0.5, *, http: dict[str, Any] | None = None
-) -> int:
-    """Show progress lines until nothing runs on ``node`` (0) or ``timeout`` passes (1)."""
-    import time
-
-    url = f"{api.rstrip('/')}/api/drain/{node}"
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
-        try:
-            resp = httpx.get(url, **(http or {"timeout": 30}))
-            doc = resp.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            print(f"ctl: GET {url}: {exc}", file=sys.stderr)
-            return 1
-        if resp.status_code != 200:
-            print(f"ctl: GET {url}: HTTP {resp.status_code}: {doc.get('error', '')}", file=sys.stderr)
-            return 1
-        if doc["empty"]:
-            print(f"{node}: drained; nothing runs there any more", flush=True)
-            return 0
-        line = drain_progress_line(doc)
-        if line != last:
-            print(line, flush=True)
-            last = line
-        if time.monotonic() >= deadline:
-            print(f"ctl: drain of {node} not done after {timeout:g} s; {line}", file=sys.stderr)
-            return 1
-        time.sleep(min(poll_every, max(deadline - time.monotonic(), 0.0)))
-
-
-def _add_global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
-    """``--api`` and ``--json``, on the top parser with their defaults and on each subcommand with
-    none (argparse.SUPPRESS), so ``ctl --json nodes`` and ``ctl nodes --json`` both work and a
-    subcommand's parse never overwrites what was given before it."""
-    api_default = os.environ.get("LLMGW_API", "http://127.0.0.1:7080") if defaults else argparse.SUPPRESS
-    parser.add_argument(
-        "--api",
-        default=api_default,
-        help="the control plane's admin API URL (default: $LLMGW_API, else http://127.0.0.1:7080)",
-    )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        default=False if defaults else argparse.SUPPRESS,
-        help="print the API's JSON",
-    )
-    none = None if defaults else argparse.SUPPRESS
-    parser.add_argument(
-        "--token-file",
-        type=Path,
-        default=none,
-        metavar="PATH",
-        help="a file holding the admin API token (default: $LLMGW_API_TOKEN; none: only a control plane "
-        "on this machine without [api] tokens answers)",
-    )
-    parser.add_argument(
-        "--cacert",
-        type=Path,
-        default=Path(os.environ["LLMGW_API_CACERT"])
-        if defaults and os.environ.get("LLMGW_API_CACERT")
-        else none,
-        metavar="PATH",
-        help="https: the CA that signs the admin API's certificate (default: $LLMGW_API_CACERT, else the system's)",
-    )
-    parser.add_argument(
-        "--cert",
-        type=Path,
-        default=none,
-        metavar="PATH",
-        help="https with [api.tls] client_ca: this client's certificate (PEM; with --key, or the key inside it)",
-    )
-    parser.add_argument(
-        "--key", type=Path, default=none, metavar="PATH", help="the private key of --cert, if not inside it"
-    )
-
-
-def _http_options(args: argparse.Namespace) -> dict[str, Any]:
-    """What every request of this ``ctl`` run carries: the bearer token (``--token-file``, else
-    ``$LLMGW_API_TOKEN``) and the TLS settings. Raises ``ValueError`` naming the file it cannot read."""
-    token = os.environ.get("LLMGW_API_TOKEN", "").strip()
-    if args.token_file is not None:
-        try:
-            token = args.token_file.read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise ValueError(f"--token-file {args.token_file}: cannot read it: {reason}") from exc
-        if not token:
-            raise ValueError(f"--token-file {args.token_file} is empty; put the admin API token in it")
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    options: dict[str, Any] = {"headers": headers, "timeout": 30}
-    if args.cacert is not None:
-        options["verify"] = ssl.create_default_context(cafile=str(args.cacert))
-    if args.cert is not None:
-        context = options.get("verify") or ssl.create_default_context()
-        context.load_cert_chain(str(args.cert), str(args.key) if args.key else None)
-        options["verify"] = context
-    return options
-
-
-def ctl(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m control ctl", description="Ask a running control plane.")
-    _add_global_options(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("nodes")
-    sub.add_parser("replicas")
-    sub.add_parser("why").add_argument("model")
-    logs = sub.add_parser("logs")
-    logs.add_argument("shard")
-    logs.add_argument("-n", "--lines", type=int, default=100)
-    sub.add_parser("cordon").add_argument("node")
-    sub.add_parser("uncordon").add_argument("node")
-    sub.add_parser("token", help="print the cluster join token")
-    node_parser = sub.add_parser("node", help="node membership: node reset NODE")
-    node_sub = node_parser.add_subparsers(dest="node_command", required=True)
-    node_sub.add_parser("reset", help="forget NODE's credential; it joins again").add_argument("node")
-    drain = sub.add_parser("drain")
-    drain.add_argument("node")
-    drain.add_argument(
-        "--force", action="store_true", help="drain even if a model is left without a ready replica"
-    )
-    drain.add_argument("--wait", action="store_true", help="show progress until the node is empty")
-    drain.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
-    )
-    for subparser in [*sub.choices.values(), *node_sub.choices.values()]:
-        _add_global_options(subparser, defaults=False)
-    args = parser.parse_args(argv)
-    if not re.fullmatch(r"https?://[^/\s?#]+/?", args.api):
-        parser.error(f"--api {args.api!r} is not the admin API's URL; write it as http://HOST:PORT")
-    try:
-        http = _http_options(args)
-    except (ValueError, OSError) as exc:  # ssl.SSLError is an OSError: a bad --cacert, --cert or --key
-        print(f"ctl: {exc}", file=sys.stderr)
-        return 2
-    method, path = "GET", f"/api/{args.command}"
-    if args.command == "why":
-        path += f"/{args.model}"
-    elif args.command == "logs":
-        path += f"/{args.shard}?lines={args.lines}"
-    elif args.command == "drain":
-        method, path = "POST", f"/api/drain/{args.node}" + ("?force=1" if args.force else "")
-    elif args.command in ("cordon", "uncordon"):
-        method, path = "POST", f"/api/{args.command}/{args.node}"
-    elif args.command == "node":
-        method, path = "POST", f"/api/reset/{args.node}"
-    url = args.api.rstrip("/") + path
-    try:
-        # Writes carry a JSON body: the API refuses any other content type for them (see
-        # control/api.py: ApiGuard, why a browser's text/plain POST must not get through).
-        resp = httpx.request(method, url, json={} if method == "POST" else None, **http)
-    except httpx.HTTPError as exc:
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        print(
-            f"ctl: cannot reach the control plane: {method} {url}: {reason}; "
-            "is it running, and is --api (or LLMGW_API) its admin API address?",
-            file=sys.stderr,
-        )
-        return 1
-    try:
-        doc = resp.json()
-    except ValueError:
-        body = " ".join(resp.text[:200].split())
-        print(f"ctl: {method} {url}: HTTP {resp.status_code} without JSON: {body}", file=sys.stderr)
-        return 1
-    if resp.status_code != 200:
-        error = doc.get("error") if isinstance(doc, dict) else None
-        reason = " ".join(str(error or resp.text[:200]).split())
-        print(f"ctl: {method} {url}: HTTP {resp.status_code}: {reason}", file=sys.stderr)
-        return 1
-    print(json.dumps(doc, indent=2) if args.json else render(args.command, doc), flush=True)
-    if args.command == "drain" and args.wait:
-        return _drain_wait(args.api, args.node, args.timeout, http=http)
-    return 0
 
 
 async def _serve(plane: ControlPlane) -> None:
@@ -408,8 +72,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["ctl"]:
         return ctl(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m control", description="llmgw control plane")
-    parser.add_argument("--config", type=Path, default=Path(os.environ.get("LLMGW_CONFIG", "llmgw.toml")))
+    parser = argparse.ArgumentParser(
+        prog="python -m control",
+        description="The llmgw control plane: holds every node's agent stream, places model replicas, "
+        "reconciles, serves the admin API and an embedded router.\n\n"
+        "Ask a running one with ctl: python -m control ctl --help (get, describe, logs, drain ...).",
+        epilog="exit status:\n  0  stopped by SIGTERM or SIGINT\n  2  a configuration it cannot run "
+        "(one line names the key, file and line)\n\nctl's own:\n" + EXIT_CODES.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"llmgw control plane {version()}")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path(os.environ.get("LLMGW_CONFIG", "llmgw.toml")),
+        metavar="PATH",
+        help="the configuration file (default: $LLMGW_CONFIG, else llmgw.toml)",
+    )
     args = parser.parse_args(argv)
     try:
         text = read(args.config)

@@ -7,6 +7,7 @@ agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times ar
     GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards,
                                     engines (each one's version, or why it is unknown)
     GET  /api/replicas              every placed replica and its shards' observed states
+    GET  /api/models                every model: replicas wanted, placed and ready, and why not placed
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
     GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
                                     (&previous=1: the run before its last restart; &after=OFFSET:
@@ -233,6 +234,30 @@ def why_doc(view: ControlView, model: str) -> dict[str, Any]:
         if u.model == model
     ]
     return {"model": model, "replicas_wanted": cfg.replicas, "placed": placed, "unplaced": unplaced}
+
+
+def models_doc(view: ControlView) -> list[dict[str, Any]]:
+    """Every model in the catalog: replicas wanted, placed and ready (``ctl get models``), what a
+    replica needs, and why the replicas that cannot run cannot (the plan's reasons)."""
+    replicas = [r for r in replicas_doc(view) if r["state"] != "draining"]
+    out = []
+    for name in sorted(view.models):
+        cfg = view.models[name]
+        mine = [r for r in replicas if r["model"] == name]
+        out.append(
+            {
+                "model": name,
+                "served_model_name": cfg.served_name,
+                "engine": cfg.profile.engine,
+                "replicas_wanted": cfg.replicas,
+                "replicas_placed": len(mine),
+                "replicas_ready": sum(1 for r in mine if r["state"] == "ready"),
+                "gpus_per_shard": cfg.gpus.count,
+                "nodes_per_replica": cfg.nodes_per_replica,
+                "unplaced": [u.reason for u in view.plan.unplaced if u.model == name],
+            }
+        )
+    return out
 
 
 def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
@@ -512,6 +537,8 @@ def make_app(query: ControlQuery, guard: ApiGuard) -> Callable[[Scope, Receive, 
                 body = nodes_doc(query.view())
             elif method == "GET" and parts == ["api", "replicas"]:
                 body = replicas_doc(query.view())
+            elif method == "GET" and parts == ["api", "models"]:
+                body = models_doc(query.view())
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "why"]:
                 body = why_doc(query.view(), parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "logs"]:
