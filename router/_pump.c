@@ -12,7 +12,8 @@
  *  - respond(up_fd, client_fd, suffix) hands over a whole response, from the engine's head on:
  *    an HTTP/1.1 200 head with a chunked body is rewritten for the client (client_head, with
  *    the router's suffix) and sent with the body bytes that came with it, and the job goes on as
- *    add's; any other head ends the job with HEAD and the bytes read, nothing sent; an engine
+ *    add's; any other head, or one whose body bytes that came along are malformed, ends the
+ *    job with HEAD and the bytes read, nothing sent; an engine
  *    that fails before its head is complete ends it with EARLY (errno, whether bytes came).
  *  - withdraw(up_fd) takes a job back (its task was cancelled) and returns when the job's
  *    response head went out (0.0: it had not). A job that had already ended has its result
@@ -612,9 +613,13 @@ static void head_readable(Pump *p, job_t *j, char *buf) {
     size_t body_len = j->head_len - (size_t)(body - h);
     char err[120];
     ssize_t used = body_len ? scan(j, body, body_len, err, sizeof err) : 0;
-    if (used < 0) {
+    if (used < 0) { /* nothing sent yet: the router answers for a malformed body (a 502) */
         free(out);
-        finish(p, j, R_ENGINE, err);
+        result_t *res = push_result(p, j->up_fd, R_HEAD, 0, "");
+        res->data = j->head;
+        res->data_len = j->head_len;
+        j->head = NULL;
+        drop(p, j);
         return;
     }
     if ((size_t)used < body_len || !keep) j->extra = 1;

@@ -937,7 +937,16 @@ class Router:
         by the engine's socket directly, that is sooner than a wake-up through trio's loop, and
         it spares this task one wake-up per request."""
         scanner = ChunkedScanner()
-        used = scanner.feed(buf) if buf else 0
+        try:
+            used = scanner.feed(buf) if buf else 0
+        except _UpstreamBroken as exc:  # came with the head, which has not gone out: a 502
+            ex.head_sent = False
+            raise RouterError(
+                502,
+                f"model `{ex.model}`: the engine's response is malformed: {exc}",
+                "upstream_error",
+                "bad_chunk",
+            ) from None
         extra = used < len(buf)
         # The Python pump feeds this scanner as it relays; the native one takes its state over
         # and hands it back when the relay is withdrawn (a stalled engine, see _timed_out).

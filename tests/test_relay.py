@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import socket
 from collections.abc import Callable, Iterator
 
@@ -787,3 +788,61 @@ async def test_the_relay_counters_reach_metrics(nursery: trio.Nursery, relay_kin
     for name in ("wakeups", "pauses", "reads"):
         assert f"# TYPE llmgw_router_relay_{name}_total counter" in text
         assert f"llmgw_router_relay_{name}_total 0" in text
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"5\r\nhelloXY", b"-5\r\nhello\r\n", b"0x5\r\nhello\r\n", b"5\nhello\r\n"],
+    ids=["no-crlf", "negative", "hex-prefix", "bare-lf"],
+)
+@pytest.mark.parametrize("with_head", [False, True], ids=["later", "with-head"])
+async def test_a_malformed_engine_body_ends_the_clients_stream_with_an_error(
+    nursery: trio.Nursery, relay_kind: str, bad: bytes, with_head: bool
+) -> None:
+    """Through a real router, either pump: an engine whose body breaks chunked framing ends the
+    client's stream broken (closed with no last chunk) after its first event, or gets the client
+    a 502 when it came with the head; never the rest of the bytes, however much like a next
+    response they look, and never a hang."""
+    from router.routes import ModelRoutes, Upstream
+    from router.server import Router
+
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    first = b"10\r\ndata: one\n\n12345\r\n"
+    after = b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfalse"
+
+    async def engine(stream: trio.SocketStream) -> None:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += await stream.receive_some(65536)
+        if with_head:
+            await stream.send_all(head + bad + after)
+        else:
+            await stream.send_all(head + first)
+            await trio.sleep(0.05)  # pacing: the first event goes out on its own, then the bad one
+            await stream.send_all(bad + after)
+        await trio.sleep_forever()  # the router must not wait for the engine to close
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, engine, 0, host="127.0.0.1"))
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    router = Router(lambda: {"m": ModelRoutes((Upstream("r0", url),))})
+    port = await nursery.start(router.serve, "127.0.0.1", 0)
+    body = b'{"model": "m", "prompt": "x", "stream": true}'
+    request = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+    request += b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    client = trio.socket.socket()
+    with client:
+        await client.connect(("127.0.0.1", port))
+        await client.send(request)
+        got = b""
+        with trio.fail_after(10):  # to the end of the connection, or of a response it keeps
+            while data := await client.recv(65536):
+                got += data
+                head_end = got.find(b"\r\n\r\n") + 4
+                parsed = re.search(rb"content-length: (\d+)", got[:head_end])
+                if head_end > 3 and parsed and len(got) >= head_end + int(parsed[1]):
+                    break
+    assert got.count(b"HTTP/1.1") == 1 and b"false" not in got, got
+    if with_head:  # nothing had gone out: the router answers for the engine
+        assert got.startswith(b"HTTP/1.1 502 ") and b"malformed" in got, got
+    else:  # the stream had begun: it breaks off, with no last chunk
+        assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(first), got
