@@ -24,7 +24,7 @@ import trio
 
 import schema
 from router.routes import ModelRoutes, Upstream, parse_url
-from schema.rpc import RpcError
+from schema.rpc import Code, RpcError
 from transport.client import CallOptions, server_stream
 from transport.h2io import TransportError, peer_text
 
@@ -51,6 +51,13 @@ def routes_of(table: schema.RouteTable) -> dict[str, ModelRoutes]:
             ups.append(Upstream(replica_id=u.replica_id, url=u.url.rstrip("/"), api_key=u.api_key))
         out[model.model] = ModelRoutes(upstreams=tuple(ups), reason=model.reason)
     return out
+
+
+def _parse(payload: bytes) -> schema.RouteTable:
+    try:
+        return schema.RouteTable.parse(payload)
+    except Exception as exc:  # betterproto raises several kinds for bytes that are not a RouteTable
+        raise RpcError(Code.INTERNAL, f"malformed RouteTable ({len(payload)} bytes): {exc}") from exc
 
 
 class WatchedRoutes:
@@ -118,7 +125,7 @@ class WatchedRoutes:
                     self.url, schema.WATCH_ROUTES_PATH, bytes(request), self._options
                 ) as call:
                     while (payload := await call.receive()) is not None:
-                        self._apply(schema.RouteTable.parse(payload))
+                        self._apply(_parse(payload))
                         if lost or self.tables == 1:
                             log.info(
                                 "route watch on %s %s: %d model(s), revision %s/%d",

@@ -8,6 +8,7 @@ the restarted control plane places (its config asks for one more) is used by bot
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -69,12 +70,14 @@ def _table(agent_port: int) -> schema.RouteTable:
         channel.close()
 
 
-def _urls(agent_port: int, model: str) -> set[str] | None:
+def _urls(agent_port: int, model: str, count: int) -> set[str] | None:
+    """The model's upstream URLs once there are ``count`` of them (``None`` until then)."""
     try:
         table = _table(agent_port)
     except grpc.RpcError:
         return None
-    return {u.url for m in table.models if m.model == model for u in m.upstreams}
+    urls = {u.url for m in table.models if m.model == model for u in m.upstreams}
+    return urls if len(urls) == count else None
 
 
 class RouterProcess:
@@ -101,6 +104,9 @@ class RouterProcess:
         """Engine URLs this router has sent requests to (its per-upstream gauges, from /metrics)."""
         text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
         return set(re.findall(r'llmgw_router_in_flight\{replica="[^"]*",url="([^"]+)"\}', text))
+
+    def uses(self, url: str) -> bool:
+        return url in self.upstreams_used()
 
 
 class Load:
@@ -195,7 +201,7 @@ def test_two_routers_serve_through_a_control_plane_kill_and_resync(fleet: dict[s
 
     before = poll(
         "two ready replicas in the route table",
-        lambda: (u := _urls(cp.agent_port, model)) and len(u) == 2 and u,
+        lambda: _urls(cp.agent_port, model, 2),
         timeout=90,
     )
     control = f"http://127.0.0.1:{cp.agent_port}"
@@ -223,17 +229,14 @@ def test_two_routers_serve_through_a_control_plane_kill_and_resync(fleet: dict[s
         assert cp.agent_port == ports[0]
         after = poll(
             "a third replica in the restarted control plane's table",
-            lambda: (u := _urls(cp.agent_port, model)) and len(u) == 3 and u,
+            lambda: _urls(cp.agent_port, model, 3),
             timeout=120,
         )
         assert before < after
         (added,) = after - before
         for r in routers:
-            poll(
-                f"router on :{r.port} to use the added replica {added} (log {r.log})",
-                lambda r=r: added in r.upstreams_used(),
-                timeout=60,
-            )
+            used = functools.partial(r.uses, added)
+            poll(f"router on :{r.port} to use the added replica {added} (log {r.log})", used, timeout=60)
         resumed = [load.ok for load in loads]
         poll(
             "more requests after the resync",

@@ -10,11 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
+import trustme
 
 import schema
 from control.fleet import Node, NodeState
 from control.routewatch import RouteWatch
-from control.transport import StreamServer
+from control.transport import ServerTLS, StreamServer
 from router.routes import ModelRoutes, Upstream
 from router.watch import WatchedRoutes
 from tests.fleet_procs import free_port, one_node
@@ -75,7 +76,7 @@ def _table(*urls: str) -> dict[str, ModelRoutes]:
 async def _serve(watch: RouteWatch, port: int, nursery: trio.Nursery) -> trio.CancelScope:
     scope = trio.CancelScope()
 
-    async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         with scope:
             server = StreamServer(_no_agents, methods=watch.methods())
             await server.serve("127.0.0.1", port, task_status=task_status)
@@ -177,3 +178,27 @@ def test_a_restarted_control_plane_holds_its_table_until_restored_nodes_register
     now[0] += 1
     later.publish({}, [restored])
     assert later.revision == 1
+
+
+async def test_watch_over_tls_verifies_the_control_plane(tmp_path: Path) -> None:
+    """``https://`` with ``ca`` (the router's --control-ca): the table arrives over TLS; without
+    the CA the control plane's certificate is not trusted and no table is taken from it."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(tmp_path / "server.pem")
+    cert.private_key_pem.write_to_path(tmp_path / "server.key")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    watch = RouteWatch()
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        tls = ServerTLS(tmp_path / "server.pem", tmp_path / "server.key")
+        server = StreamServer(_no_agents, tls=tls, methods=watch.methods())
+        await nursery.start(server.serve, "127.0.0.1", port)
+        watch.publish(_table("http://127.0.0.1:9001"))
+        trusted = WatchedRoutes(f"https://127.0.0.1:{port}", ca=tmp_path / "ca.pem")
+        await nursery.start(trusted.run)
+        assert list(trusted.routes()) == ["m"]
+        untrusted = WatchedRoutes(f"https://127.0.0.1:{port}", first_wait=0.5)
+        await nursery.start(untrusted.run)
+        assert dict(untrusted.routes()) == {}
+        nursery.cancel_scope.cancel()
