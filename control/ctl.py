@@ -222,12 +222,11 @@ def _stable(doc: Any) -> Any:
 # -- describe ------------------------------------------------------------------------------------
 
 
-def describe_node(node_id: str, nodes: list[dict[str, Any]], replicas: list[dict[str, Any]]) -> str:
-    """kubectl describe's layout: fields, then shards, then the state history as events."""
-    node = next((n for n in nodes if n["node_id"] == node_id), None)
-    if node is None:
-        known = ", ".join(n["node_id"] for n in nodes) or "none"
-        raise CtlFailed(f"ctl: describe node: no node {node_id!r}; nodes: {known}")
+def describe_node(node: dict[str, Any]) -> str:
+    """kubectl describe's layout: fields, then shards, then events (the node's recent events, or
+    its state history from a control plane that keeps no event log)."""
+    node_id = node["node_id"]
+    replicas = node["replicas"]
     out = [
         f"Name:          {node['node_id']}",
         f"State:         {_node_state(node)} for {_age(node['since_s'])}",
@@ -263,6 +262,9 @@ def describe_node(node_id: str, nodes: list[dict[str, Any]], replicas: list[dict
         ]
         header = ["SHARD", "MODEL", "STATE", "GPUS", "PID", "PORT", "ERROR"]
         out += ["  " + line for line in table(rows, header).splitlines()]
+    if "events" in node:
+        out += events_section(node["events"])
+        return "\n".join(out)
     out.append("Events:" if node["history"] else "Events:        none")
     if node["history"]:
         rows = [
@@ -273,8 +275,30 @@ def describe_node(node_id: str, nodes: list[dict[str, Any]], replicas: list[dict
     return "\n".join(out)
 
 
-def describe_model(model: dict[str, Any], why: dict[str, Any]) -> str:
-    """A model: its wanted/placed/ready counts, each replica's shards, and why any cannot run."""
+def events_section(events: list[dict[str, Any]]) -> list[str]:
+    """kubectl's Events: newest last, each with its age, what it is about, the change and why."""
+    if not events:
+        return ["Events:        none"]
+    rows = [
+        [
+            f"{_age(e['at_s_ago'])} ago",
+            e["kind"],
+            e["shard_id"] or e["node_id"],
+            f"{e['from'] or '-'} -> {e['to'] or '-'}" if e["from"] else e["to"] or "-",
+            e["reason"] or "-",
+        ]
+        for e in events
+    ]
+    return [
+        "Events:",
+        *("  " + line for line in table(rows, ["WHEN", "KIND", "OBJECT", "CHANGE", "REASON"]).splitlines()),
+    ]
+
+
+def describe_model(model: dict[str, Any]) -> str:
+    """A model: its wanted/placed/ready counts, each replica's shards, why any cannot run, and its
+    shards' recent events (when the control plane keeps them)."""
+    why = model
     out = [
         f"Name:          {model['model']}",
         f"Served as:     {model['served_model_name']}",
@@ -301,8 +325,10 @@ def describe_model(model: dict[str, Any], why: dict[str, Any]) -> str:
             out.append(f"  {u['replica_id']}: {u['reason']}")
             for node, reason in sorted(u["per_node"].items()):
                 out.append(f"    {node}: {reason}")
-    # The API keeps no per-model event log yet; what the shards say now is all there is.
-    out.append("Events:        <none recorded: the control plane keeps no per-model event log yet>")
+    if "events" in model:
+        out += events_section(model["events"])
+    else:
+        out.append("Events:        <this control plane keeps no event log; shard states above are current>")
     return "\n".join(out)
 
 
@@ -542,6 +568,15 @@ class Api:
     def get(self, path: str) -> Any:
         return self.request("GET", path)
 
+    def get_if_served(self, path: str) -> Any:
+        """``get``, or None from a control plane that has no such route (an older one)."""
+        try:
+            return self.request("GET", path)
+        except CtlFailed as exc:
+            if "HTTP 404: no route " in str(exc):
+                return None
+            raise
+
 
 def _fetch(api: Api, kind: str, output: str | None, name: str | None) -> dict[str, Any]:
     basic, wide, _, key = GET_KINDS[kind]
@@ -570,27 +605,29 @@ def run_get(api: Api, args: argparse.Namespace) -> int:
 
 
 def run_describe(api: Api, args: argparse.Namespace) -> int:
+    """``describe``: from ``GET /api/nodes/NODE`` or ``/api/models/MODEL`` (the object with its
+    recent events), or, from a control plane that serves neither, built from the list documents
+    (a node's own state history then stands in for its events; a model has none)."""
     if args.kind.startswith("node"):
-        nodes, replicas = api.get("/api/nodes"), api.get("/api/replicas")
-        if args.output == "json":
+        node = api.get_if_served(f"/api/nodes/{args.name}")
+        if node is None:
+            nodes, replicas = api.get("/api/nodes"), api.get("/api/replicas")
             node = next((n for n in nodes if n["node_id"] == args.name), None)
             if node is None:
-                raise CtlFailed(f"ctl: describe node: no node {args.name!r}")
-            shards = [s for r in replicas for s in r["shards"] if s["node_id"] == args.name]
-            print(json.dumps({**node, "shard_details": shards}, indent=2), flush=True)
-        else:
-            print(describe_node(args.name, nodes, replicas), flush=True)
+                known = ", ".join(n["node_id"] for n in nodes) or "none"
+                raise CtlFailed(f"ctl: describe node: no node {args.name!r}; nodes: {known}")
+            node = {
+                **node,
+                "replicas": [r for r in replicas if any(s["node_id"] == args.name for s in r["shards"])],
+            }
+        print(json.dumps(node, indent=2) if args.output == "json" else describe_node(node), flush=True)
         return 0
-    why = api.get(f"/api/why/{args.name}")
-    model = next((m for m in api.get("/api/models") if m["model"] == args.name), None)
-    if model is None:
+    doc = api.get_if_served(f"/api/models/{args.name}") or api.get(f"/api/why/{args.name}")
+    counts = next((m for m in api.get("/api/models") if m["model"] == args.name), None)
+    if counts is None:
         raise CtlFailed(f"ctl: describe model: no model {args.name!r}")
-    if args.output == "json":
-        print(
-            json.dumps({**model, "placed": why["placed"], "unplaced": why["unplaced"]}, indent=2), flush=True
-        )
-    else:
-        print(describe_model(model, why), flush=True)
+    model = {**counts, **doc}
+    print(json.dumps(model, indent=2) if args.output == "json" else describe_model(model), flush=True)
     return 0
 
 

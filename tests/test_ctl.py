@@ -252,11 +252,23 @@ def test_describe_node_and_model(node: Node) -> None:
     assert out.startswith("Name:          gpu07\nState:         ready for "), out
     assert "Fabrics:       ib-a" in out
     assert f"  {chat['shard_id']}" in out and CHAT in out  # its shards, by id and model
-    assert "Events:" in out and "ready" in out.split("Events:", 1)[1]  # the node's history
+    events = out.split("Events:\n", 1)[1]
+    if httpx.get(f"{node.api}/api/nodes/gpu07", timeout=15).status_code == 200:
+        # The control plane's event log: the node's liveness, the commands sent, the shard's states.
+        (event,) = [e for e in columns(events) if e["OBJECT"] == chat["shard_id"] and e["KIND"] == "command"]
+        assert event["CHANGE"] == "start" and event["REASON"] == "StartShard sent", events
+        assert any(
+            e["OBJECT"] == chat["shard_id"] and e["CHANGE"] == "starting -> ready" for e in columns(events)
+        ), events
+    else:  # an API without the event log: the node's own state history stands in
+        assert columns(events)[0]["TO"] == "ready", events
     model = ctl("describe", "model", CHAT, "--api", node.api)
     assert model.returncode == 0, model.stderr
     assert "Replicas:      1 ready, 1 placed, 1 wanted" in model.stdout
     assert f"    {chat['shard_id']}  ready  on gpu07 GPUs - pid {chat['pid']}  {chat['url']}" in model.stdout
+    if "Events:\n" in model.stdout:  # served with the event log: this model's shards only
+        objects = {e["OBJECT"] for e in columns(model.stdout.split("Events:\n", 1)[1])}
+        assert objects == {chat["shard_id"]}, model.stdout
     huge = ctl("describe", "model", HUGE, "--api", node.api)
     assert huge.returncode == 0, huge.stderr
     assert "Replicas:      0 ready, 0 placed, 1 wanted" in huge.stdout
