@@ -7,6 +7,7 @@ scraper that stalls or a client that sends garbage costs one connection and noth
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -105,6 +106,15 @@ async def _connection(stream: trio.SocketStream, routes: Mapping[str, Handler]) 
             if request.method != b"HEAD":
                 await stream.send_all(conn.send(h11.Data(data=response.body)))
             await stream.send_all(conn.send(h11.EndOfMessage()))
+    except h11.RemoteProtocolError as exc:
+        # Not HTTP/1.1, or a head over MAX_HEAD_BYTES: say so (400 or 431) and close.
+        log.debug("admin port: bad request: %s", exc)
+        with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError, h11.ProtocolError):
+            body = f"bad request: {exc}\n".encode()
+            headers = [("content-type", "text/plain; charset=utf-8"), ("connection", "close")]
+            headers.append(("content-length", str(len(body))))
+            await stream.send_all(conn.send(h11.Response(status_code=exc.error_status_hint, headers=headers)))
+            await stream.send_all(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
         log.debug("admin port: connection ended: %s", exc)
     finally:

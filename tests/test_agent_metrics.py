@@ -8,6 +8,7 @@ and logged only text.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -26,7 +27,7 @@ import schema
 from agent.engines import LaunchContext, ProfileRefused
 from agent.metrics import AgentMetrics
 from agent.supervise import LivenessProbe, Supervisor, procfs
-from telemetry.http import Listen, parse_listen
+from telemetry.http import Listen, Response, parse_listen, serve
 from telemetry.logs import JsonFormatter, LogSettings, LogSettingsError, log_settings, setup_logging
 from tests.fleet_procs import free_port, one_node, poll
 
@@ -305,3 +306,42 @@ async def test_engine_series_follow_a_real_supervisor(tmp_path: Path) -> None:
         finally:
             end_engines(second)
             nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# The admin port's HTTP server survives peers that misbehave
+
+
+async def test_admin_port_survives_garbage_oversized_and_silent_peers() -> None:
+    async def hello(accept: str) -> Response:
+        return Response(200, "text/plain", f"hello {accept or '-'}\n".encode())
+
+    async def raw(port: int, data: bytes) -> bytes:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(data)
+            out = b""
+            with trio.fail_after(15), contextlib.suppress(trio.BrokenResourceError):
+                # A reset (the server closed with our excess bytes unread) ends the answer too.
+                while chunk := await stream.receive_some(65536):
+                    out += chunk
+            return out
+
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(serve, Listen("127.0.0.1", 0), {"/hello": hello})
+        port = bound.port
+        assert port != 0
+        silent = await trio.open_tcp_stream("127.0.0.1", port)  # says nothing; holds no one up
+        garbage = await raw(port, b"\x16\x03\x01garbage\r\n\r\n")  # a TLS hello, say
+        assert garbage == b"" or garbage.startswith(b"HTTP/1.1 400 "), garbage
+        huge = b"GET /hello HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * 40_000 + b"\r\n\r\n"
+        refused = await raw(port, huge)
+        assert refused == b"" or refused.startswith(b"HTTP/1.1 431 "), refused  # never served
+        post = await raw(port, b"POST /hello HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        assert post.startswith(b"HTTP/1.1 405 ")
+        ok = await raw(port, b"GET /hello?x=1 HTTP/1.1\r\nhost: x\r\naccept: text/plain\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"hello text/plain\n")
+        head = await raw(port, b"HEAD /hello HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")
+        await silent.aclose()
+        nursery.cancel_scope.cancel()
