@@ -11,17 +11,19 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.grpcio_cp import wait_for
+from tests.support import cmdline, processes
+from tests.support import free_port as free_port  # re-exported: fleet tests import them from here
+from tests.support import pid_alive as pid_alive
+from tests.support import poll as poll
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -31,20 +33,6 @@ JOIN_TOKENS: dict[int, Path] = {}
 
 #: Where the control plane keeps its join token, in its state directory (``control.joins``).
 JOIN_TOKEN_FILE = "join-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 class ControlProcess:
@@ -83,7 +71,7 @@ class ControlProcess:
                     return int(m.group(1)), int(m.group(2))
             return None
 
-        self.agent_port, self.api_port = wait_for("the control plane to listen", ready)
+        self.agent_port, self.api_port = poll("the control plane to listen", ready, timeout=30)
         JOIN_TOKENS[self.agent_port] = self.state_dir() / JOIN_TOKEN_FILE
 
     def state_dir(self) -> Path:
@@ -227,34 +215,20 @@ class Agent:
 
 def sim_processes(marker: str) -> list[int]:
     """Engine processes whose command line names ``marker`` (a served model name unique to a test)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"agent.engines.sim" in cmd and marker.encode() in cmd and pid_alive(int(entry.name)):
-            pids.append(int(entry.name))
-    return sorted(pids)
+    return processes(lambda argv: b"agent.engines.sim" in argv and marker.encode() in argv)
 
 
 def engines_by_port(marker: str) -> dict[int, list[int]]:
     """Live sim engines whose command line names ``marker``, by the port they serve on (``--port``)."""
     out: dict[int, list[int]] = {}
     for pid in sim_processes(marker):
+        argv = cmdline(pid) or []
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             port = int(argv[argv.index(b"--port") + 1])
-        except (OSError, ValueError, IndexError):
+        except (ValueError, IndexError):
             continue
         out.setdefault(port, []).append(pid)
     return out
-
-
-def poll(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    return wait_for(what, check, timeout=timeout, interval=0.2)
 
 
 # -- a whole fleet: one control plane, agents of a layout, the test catalog ------------------------------

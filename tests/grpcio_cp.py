@@ -1,24 +1,21 @@
 """A grpcio server that plays the control plane for agent tests: an independent peer, not our server.
 
 It answers every Register with an Ack, records everything each node sends, and lets a test push
-commands down a node's stream. Waiting is done by polling with a deadline (``wait_for``), never by
-sleeping a fixed time.
+commands down a node's stream. Waiting is done by polling with a deadline (``wait_for``, which is
+``tests.support.poll``), never by sleeping a fixed time.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
-from typing import TypeVar
 
 import grpc
 
 import schema
-
-T = TypeVar("T")
+from tests.support import poll as wait_for  # noqa: F401 (the agent tests import it from here)
 
 
 class NodeStream:
@@ -111,15 +108,3 @@ class GrpcioControlPlane:
             if node.received and node.received[0].register and node.received[0].register.node_id == node_id:
                 return node
         return None
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)

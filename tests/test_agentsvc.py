@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -12,15 +11,7 @@ from agent.transport import open_stream
 from control.agentsvc import AgentService
 from control.fleet import Fleet
 from control.transport import StreamServer
-
-
-async def poll_until(
-    what: str, check: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01
-) -> None:
-    with trio.fail_after(timeout):
-        while not check():  # noqa: ASYNC110 (polling a plain predicate, bounded by the deadline)
-            await trio.sleep(interval)
-    assert check(), what
+from tests.support import apoll as poll_until
 
 
 async def _register(stream: object, node_id: str) -> None:

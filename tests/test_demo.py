@@ -10,20 +10,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+
+from tests.support import processes
 
 
 def sim_engines() -> set[int]:
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"agent.engines.sim" in cmd and b"llama-3.1-8b-instruct" in cmd:
-                pids.add(int(entry.name))
-    return pids
+    return set(processes(lambda argv: b"agent.engines.sim" in argv and b"llama-3.1-8b-instruct" in argv))
 
 
 def test_demo_runs_end_to_end() -> None:

@@ -33,6 +33,7 @@ from agent.supervise.supervisor import _IN_FLIGHT, Supervisor
 from control.plane import load_shard_key_secret, shard_key
 from enginebuild import llamacpp as enginebuild
 from tests.fleet_procs import Agent, ControlProcess, free_port, pid_alive, poll
+from tests.support import cmdline, processes
 
 MODEL = "tiny-llama"
 #: Engine ports for this test's agent: its own range, so a concurrent fleet test cannot collide.
@@ -167,7 +168,7 @@ def test_llama_server_placed_served_killed_and_restarted(fleet: CpuFleet) -> Non
     url, shard_id, pid = str(shard["url"]), str(shard["shard_id"]), int(shard["pid"])
     assert url.startswith("http://127.0.0.1:237") and pid_alive(pid)
     # The engine really is llama-server with the adapter's argv, and ready by its own /health.
-    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    argv = cmdline(pid) or []
     assert argv[0] == str(fleet.built.server).encode()
     assert argv[argv.index(b"--alias") + 1] == MODEL.encode() and b"--metrics" in argv
     assert argv[argv.index(b"-c") + 1] == b"2048" and argv[argv.index(b"-ngl") + 1] == b"0"
@@ -334,13 +335,4 @@ def test_demo_on_llamacpp_engines(engine: enginebuild.Built) -> None:
 
 def _llama_servers(marker: bytes) -> list[int]:
     """Live llama-server processes whose command line names ``marker``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv[0].endswith(b"/llama-server") and marker in argv and pid_alive(int(entry.name)):
-                pids.append(int(entry.name))
-    return pids
+    return processes(lambda argv: argv[0].endswith(b"/llama-server") and marker in argv)

@@ -20,7 +20,8 @@ import trio
 
 from agent.engines import versions
 from agent.engines.versions import Installed, Probe, plan_probe, read_version
-from tests.fleet_procs import free_port, one_node, pid_alive, poll, sim_processes, sim_version
+from tests.fleet_procs import free_port, one_node, poll, sim_processes, sim_version
+from tests.support import processes
 
 
 @functools.cache
@@ -80,16 +81,7 @@ def test_hanging_version_command_is_bounded_and_leaves_nothing(bin_dir: Path, tm
 
 
 def _processes_naming(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker.encode() in cmd and pid_alive(int(entry.name)):
-                pids.append(int(entry.name))
-    return pids
+    return processes(lambda argv: any(marker.encode() in arg for arg in argv))
 
 
 def test_agent_secrets_never_reach_a_version_command(bin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import trio
 
 import schema
 from agent.supervise import LivenessProbe, Supervisor, logfiles
-from tests.fleet_procs import free_port, poll
+from tests.support import free_port, poll
 from tests.test_supervisor import end_engines, make_supervisor, sim_spec, wait_state
 
 State = schema.ShardState

@@ -4,7 +4,6 @@ escapes what a peer sent in its log. The peer is grpcio, a client nobody here wr
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,13 +13,7 @@ import pytest
 import schema
 from control.agentsvc import MAX_GPUS, MAX_LABELS, MAX_NAME, MAX_SHARDS
 from tests.fleet_procs import ControlProcess, catalog, poll
-
-
-def _rss_kib(pid: int) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    m = re.search(r"^VmRSS:\s+(\d+) kB", text, re.M)
-    assert m, text
-    return int(m.group(1))
+from tests.support import rss_kib
 
 
 def _gpu(i: int) -> schema.Gpu:
@@ -133,10 +126,10 @@ def test_thirty_thousand_gpus_are_refused_and_the_rss_stays_flat(cp: ControlProc
         return error.details() or ""
 
     refused()  # warm-up: code paths, the first connection's buffers
-    before = _rss_kib(cp.proc.pid)
+    before = rss_kib(cp.proc.pid)
     for _ in range(10):
         text = refused()
-    after = _rss_kib(cp.proc.pid)
+    after = rss_kib(cp.proc.pid)
     print(f"control plane RSS around ten refused 30,000-GPU Registers: {before} KiB -> {after} KiB")
     assert "1024 KiB" in text, text
     # Accepted, one such Register took a control plane from 47 to 130 MB; refused ones keep it flat.

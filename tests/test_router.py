@@ -19,7 +19,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
 
 import attrs
 import h11
@@ -32,33 +31,10 @@ from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_sc
 from router.framing import ChunkedScanner, parse_response_head
 from router.routes import ModelRoutes, Upstream, static_routes
 from router.server import Router
+from tests.support import apoll, free_port, poll
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
-T = TypeVar("T")
-
-
-def poll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
-    """Call ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)  # poll interval; the deadline above bounds the wait
-
-
-async def apoll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
-    deadline = trio.current_time() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if trio.current_time() > deadline:
-            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        await trio.sleep(0.02)  # poll interval; the deadline above bounds the wait
 
 
 @attrs.define
@@ -135,11 +111,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
 
 def closed_port_url() -> str:
     """A loopback port nothing listens on (bound, then released: connecting is refused)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def routes_of(table: dict[str, ModelRoutes]) -> Callable[[], Mapping[str, ModelRoutes]]:

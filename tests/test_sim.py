@@ -15,10 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import attrs
 import httpx
@@ -30,21 +28,9 @@ import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import LaunchContext, flagsets, plan
 from agent.engines.sim import ARGV_PREFIX
+from tests.support import poll
 
 REPO = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
-
-
-def poll(what: str, check: Callable[[], T | None], timeout: float = 15.0) -> T:
-    """Call ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)  # poll interval; the deadline above bounds the wait
 
 
 @attrs.define

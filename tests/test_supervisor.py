@@ -27,7 +27,7 @@ from agent.supervise import LivenessProbe, Supervisor, procfs
 from agent.supervise.adopt import Adopt, Drop, Extra, Gone, plan_adoption
 from agent.supervise.probes import liveness_step
 from agent.supervise.records import LoadedRecord, RecordStore, ShardRecord
-from tests.fleet_procs import free_port, pid_alive
+from tests.support import free_port, pid_alive
 
 State = schema.ShardState
 SIM = (sys.executable, "-m", "agent.engines.sim")
