@@ -26,6 +26,7 @@ from control.ctl import EXIT_CODES, ctl, version
 from control.ctl import render as render  # re-exported: tests and scripts import it from here
 from control.plane import ControlPlane
 from control.transport import ServerTLS
+from telemetry.logs import LogSettingsError, add_log_arguments, log_settings, setup_logging
 
 log = logging.getLogger("llmgw.control")
 
@@ -71,7 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ctl"]:
         return ctl(argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(
         prog="python -m control",
         description="The llmgw control plane: holds every node's agent stream, places model replicas, "
@@ -89,7 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PATH",
         help="the configuration file (default: $LLMGW_CONFIG, else llmgw.toml)",
     )
+    add_log_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        setup_logging(log_settings(args.log_format, args.log_level))
+    except LogSettingsError as exc:
+        print(f"llmgw-control: {exc}", file=sys.stderr)
+        return 2
     try:
         text = read(args.config)
         config = parse(text, str(args.config))

@@ -874,3 +874,8 @@ def _drain_wait(
             print(f"ctl: drain of {node} not done after {timeout:g} s; {line}", file=sys.stderr)
             return 1
         time.sleep(min(poll_every, max(deadline - time.monotonic(), 0.0)))
+
+
+def main() -> int:
+    """``ctl`` as its own command (a console script), the same as ``python -m control ctl``."""
+    return ctl(sys.argv[1:])

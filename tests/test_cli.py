@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet_procs import ControlProcess, free_port
+from tests.fleet_procs import ControlProcess, free_port, poll
 
 MODEL = '[[models]]\nname = "m"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
 
@@ -270,3 +270,40 @@ def test_an_admin_api_certificate_that_cannot_be_loaded_is_one_line(tmp_path: Pa
     line = one_line(start_control(config))
     assert line.startswith("llmgw-control: api.tls: cannot load the admin API's certificate"), line
     assert f"({config} line 6)" in line, line
+
+
+def test_the_control_plane_logs_json_lines_and_refuses_an_unknown_level(tmp_path: Path) -> None:
+    """``--log-format json`` (telemetry.logs) on ``python -m control``: every log line an object with
+    the time, level, logger and message; a level that is not one is status 2 in one line."""
+    config = tmp_path / "llmgw.toml"
+    config.write_text(config_text(tmp_path / "state") + MODEL)
+    bad = subprocess.run(
+        [sys.executable, "-m", "control", "--config", str(config), "--log-level", "loud"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert one_line(bad) == (
+        "llmgw-control: --log-level 'loud' is not a log level; use one of debug, info, warning, error, critical"
+    )
+    log = tmp_path / "control.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "control", "--config", str(config), "--log-format", "json"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        # The warning about an API without tokens is logged at every such start.
+        poll("the no-tokens warning", lambda: "no tokens in [api]" in log.read_text(), timeout=60)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    warning = next(r for r in records if "no tokens in [api]" in r["message"])
+    assert warning["level"] == "warning" and warning["logger"] == "llmgw.control.api"
+    assert warning["time"].endswith("Z"), warning
+    # Nothing else was written as text but the ready line (stdout, for people and tests).
+    others = [line for line in log.read_text().splitlines() if not line.startswith("{")]
+    assert all(line.startswith("llmgw control plane ready") for line in others), others
