@@ -31,7 +31,7 @@ import trio
 from h2.errors import ErrorCodes
 
 from schema import framing
-from schema.rpc import Code, RpcError, decode_grpc_message, http_status_to_code
+from schema.rpc import Code, RpcError, decode_connect_end_stream, decode_grpc_message, http_status_to_code
 from transport.h2io import ConnectionLost, H2Stream, H2Transport, PeerUnresponsive, TransportError, peer_text
 
 
@@ -52,11 +52,20 @@ class CallOptions:
     user_agent: str = "llmgw"
 
 
-class _CallStream(H2Stream):
-    """The one stream of a call: response head, messages, then the grpc-status trailers."""
+class RpcClientStream(H2Stream):
+    """One RPC's stream on the client side: the response head, the messages, and the final status.
 
-    def __init__(self, transport: H2Transport, stream_id: int, max_message_size: int) -> None:
+    One definition for every client here (the agent's stream, the router's route watch): a gRPC
+    status comes in trailers (or a trailers-only response), a Connect status in an end-of-stream
+    envelope the reader hands to :meth:`on_connect_end`; an answer that is not an RPC at all (a web
+    server's 404) keeps a little of its body for the error. :meth:`final_status` says how it ended.
+    """
+
+    def __init__(
+        self, transport: H2Transport, stream_id: int, max_message_size: int, protocol: str = "grpc"
+    ) -> None:
         super().__init__(transport, stream_id, max_message_size)
+        self.protocol = protocol
         self.http_status: int | None = None
         self.status: RpcError | None = None
         self.status_seen = False
@@ -68,7 +77,7 @@ class _CallStream(H2Stream):
             self.on_trailers(headers)  # a trailers-only response (a refused call)
 
     def on_trailers(self, trailers: dict[str, str]) -> None:
-        if "grpc-status" not in trailers:
+        if self.protocol != "grpc" or "grpc-status" not in trailers:
             return
         self.status_seen = True
         try:
@@ -78,31 +87,41 @@ class _CallStream(H2Stream):
         if code is not Code.OK:
             self.status = RpcError(code, decode_grpc_message(trailers.get("grpc-message", "")))
 
+    def on_connect_end(self, payload: bytes) -> None:
+        """A Connect end-of-stream envelope: the call's status."""
+        self.status_seen = True
+        self.status = decode_connect_end_stream(payload)
+
     def on_data(self, data: bytes, flow_controlled_length: int) -> None:
         if self.http_status not in (None, 200):
-            # Not an RPC answer (a web server's 404): keep a little of the body for the error.
+            # Not an RPC answer (415 from a server that does not speak our content-type, 404 from a
+            # plain web server): keep a little of the body for the error message.
             if len(self._body) < 1024:
                 self._body += data[: 1024 - len(self._body)]
             self._acknowledge(flow_controlled_length)
             return
         super().on_data(data, flow_controlled_length)
 
-    def final_status(self) -> RpcError | None:
-        """The error the call ended with (``None``: OK)."""
+    def final_status(self, not_served_hint: str = "") -> RpcError | None:
+        """The error the call ended with (``None``: OK); ``not_served_hint`` is added to a 404 or
+        405 (the server does not serve the method: likely the wrong port)."""
         if self.http_status not in (None, 200):
+            assert self.http_status is not None
             text = peer_text(self._body.decode("utf-8", "replace").strip())
-            return RpcError(http_status_to_code(self.http_status or 0), f"HTTP {self.http_status}: {text}")
+            hint = f"; {not_served_hint}" if not_served_hint and self.http_status in (404, 405) else ""
+            return RpcError(http_status_to_code(self.http_status), f"HTTP {self.http_status}: {text}{hint}")
         if self.status is not None:
             return self.status
         if not self.status_seen:
-            return RpcError(Code.INTERNAL, "server ended the stream without a grpc-status trailer")
+            what = "grpc-status trailer" if self.protocol == "grpc" else "Connect end-of-stream message"
+            return RpcError(Code.INTERNAL, f"server ended the stream without a {what}")
         return None
 
 
 class ServerStreamCall:
     """An open server-streaming call: :meth:`receive` the messages' bytes until ``None`` (OK)."""
 
-    def __init__(self, st: _CallStream) -> None:
+    def __init__(self, st: RpcClientStream) -> None:
         self._st = st
 
     async def receive(self) -> bytes | None:
@@ -118,7 +137,8 @@ class ServerStreamCall:
         return env.payload
 
 
-def _headers(raw: object) -> dict[str, str]:
+def headers_of(raw: object) -> dict[str, str]:
+    """h2's header list as a dict with lower-case names (latin-1, as HTTP/2 carries them)."""
     pairs = raw if isinstance(raw, list) else []
     return {bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1") for k, v in pairs}
 
@@ -152,7 +172,7 @@ async def _connect(host: str, port: int, secure: bool, options: CallOptions) -> 
         raise ConnectionLost(f"cannot connect to {host}:{port}: {cause}") from exc
 
 
-async def _read_loop(transport: H2Transport, st: _CallStream, settled: trio.Event) -> None:
+async def _read_loop(transport: H2Transport, st: RpcClientStream, settled: trio.Event) -> None:
     """The connection's only reader; it records failures on the transport and never raises."""
     while transport.error is None:
         try:
@@ -167,9 +187,9 @@ async def _read_loop(transport: H2Transport, st: _CallStream, settled: trio.Even
             if isinstance(event, h2.events.RemoteSettingsChanged):
                 settled.set()
             if isinstance(event, h2.events.ResponseReceived) and event.stream_id == st.stream_id:
-                st.on_response(_headers(event.headers))
+                st.on_response(headers_of(event.headers))
             elif isinstance(event, h2.events.TrailersReceived) and event.stream_id == st.stream_id:
-                st.on_trailers(_headers(event.headers))
+                st.on_trailers(headers_of(event.headers))
             else:
                 transport.handle_common(event)
         try:
@@ -195,7 +215,7 @@ async def server_stream(
     conn.initiate_connection()
     transport = H2Transport(stream, conn)
     stream_id = conn.get_next_available_stream_id()
-    st = _CallStream(transport, stream_id, options.max_message_size)
+    st = RpcClientStream(transport, stream_id, options.max_message_size)
     settled = trio.Event()
     # The reader and the keepalive never raise (they record failures on the transport), so whatever
     # leaves the nursery is the caller's or the setup's own error: it is raised as itself, not in an

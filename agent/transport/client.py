@@ -50,13 +50,11 @@ from schema.rpc import (
     Code,
     RpcError,
     decode_connect_end_stream,
-    decode_grpc_message,
-    http_status_to_code,
 )
+from transport.client import RpcClientStream, headers_of
 from transport.h2io import (
     ConnectionLost,
     GoAwayReceived,
-    H2Stream,
     H2Transport,
     PeerUnresponsive,
     TransportError,
@@ -249,41 +247,10 @@ async def _tls_handshake(
     return stream
 
 
-class _H2ClientStream(H2Stream, AgentStream):
+class _H2ClientStream(RpcClientStream, AgentStream):
     def __init__(self, transport: H2Transport, stream_id: int, options: StreamOptions, secure: bool) -> None:
-        super().__init__(transport, stream_id, options.max_message_size)
+        super().__init__(transport, stream_id, options.max_message_size, options.protocol)
         self.secure = secure
-        self.protocol = options.protocol
-        self.http_status: int | None = None
-        self.status: RpcError | None = None
-        self.status_seen = False
-        self._body = bytearray()
-
-    def on_response(self, headers: dict[str, str], ended: bool) -> None:
-        self.http_status = int(headers.get(":status", "0") or 0)
-        if self.http_status == 200 and "grpc-status" in headers:
-            self.on_trailers(headers)  # a trailers-only response
-
-    def on_trailers(self, trailers: dict[str, str]) -> None:
-        if self.protocol != "grpc" or "grpc-status" not in trailers:
-            return
-        self.status_seen = True
-        try:
-            code = Code(int(trailers["grpc-status"]))
-        except ValueError:
-            code = Code.UNKNOWN
-        if code is not Code.OK:
-            self.status = RpcError(code, decode_grpc_message(trailers.get("grpc-message", "")))
-
-    def on_data(self, data: bytes, flow_controlled_length: int) -> None:
-        if self.http_status not in (None, 200):
-            # Not an RPC response (415 from a server that does not speak our content-type, 404 from
-            # a plain web server): keep a little of the body for the error message.
-            if len(self._body) < 1024:
-                self._body += data[: 1024 - len(self._body)]
-            self._acknowledge(flow_controlled_length)
-            return
-        super().on_data(data, flow_controlled_length)
 
     def _explain(self, exc: TransportError) -> TransportError:
         """A TLS server that refuses our client certificate (TLS 1.3 checks it after our side of the
@@ -307,26 +274,16 @@ class _H2ClientStream(H2Stream, AgentStream):
             if env.end_stream:
                 if self.protocol != "connect":
                     raise RpcError(Code.INTERNAL, "end-of-stream envelope in a gRPC response")
-                self.status_seen = True
-                self.status = decode_connect_end_stream(env.payload)
+                self.on_connect_end(env.payload)
                 continue
             if env.compressed:
                 raise RpcError(Code.INTERNAL, "server sent a compressed message; none was negotiated")
             return _parse_control(env.payload)
 
     def _raise_final_status(self) -> None:
-        if self.http_status not in (None, 200):
-            assert self.http_status is not None
-            text = peer_text(self._body.decode("utf-8", "replace").strip())
-            hint = ""
-            if self.http_status in (404, 405):
-                hint = f"; the server does not serve {schema.CONNECT_PATH}: {AGENT_PORT_HINT}"
-            raise RpcError(http_status_to_code(self.http_status), f"HTTP {self.http_status}: {text}{hint}")
-        if self.status is not None:
-            raise self.status
-        if not self.status_seen:
-            what = "grpc-status trailer" if self.protocol == "grpc" else "Connect end-of-stream message"
-            raise RpcError(Code.INTERNAL, f"server ended the stream without a {what}")
+        error = self.final_status(f"the server does not serve {schema.CONNECT_PATH}: {AGENT_PORT_HINT}")
+        if error is not None:
+            raise error
 
     async def send(self, message: schema.AgentMessage) -> None:
         if self.remote_ended:
@@ -515,9 +472,9 @@ async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
             return
         for event in events:
             if isinstance(event, h2.events.ResponseReceived):
-                st.on_response(_headers(event.headers), event.stream_ended is not None)
+                st.on_response(headers_of(event.headers))
             elif isinstance(event, h2.events.TrailersReceived):
-                st.on_trailers(_headers(event.headers))
+                st.on_trailers(headers_of(event.headers))
             elif not transport.handle_common(event):
                 log.debug("ignored HTTP/2 event %r", event)
         if transport.error is not None:
@@ -526,12 +483,6 @@ async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
             await transport.flush()
         except TransportError:
             return
-
-
-def _headers(raw: object) -> dict[str, str]:
-    pairs = raw or []
-    assert isinstance(pairs, list)
-    return {bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1") for k, v in pairs}
 
 
 # -- WebSocket ---------------------------------------------------------------------------------------
