@@ -227,10 +227,10 @@ class Router:
     ``client_limits`` (the header timeout, the idle timeout and the connection cap: ``ClientLimits``;
     ``client_idle_timeout`` overrides its idle timeout), ``metrics_key`` (``GET /metrics`` wants
     ``Authorization: Bearer`` it; without one, /metrics answers loopback clients only), ``max_body_bytes``,
-    ``relay_coalesce_us`` (the native relay pump's pause after each wake-up, so that the tokens
-    one decode step writes to many streams share a wake-up: a token may wait that long, a
-    stream's first one included when it comes during a pause; 0 turns it off; see
-    ``router/_pump.c``)."""
+    ``relay_coalesce_us`` (the upper bound of the native relay pump's pause after each wake-up,
+    so that the tokens one decode step writes to many streams share a wake-up: a token may wait
+    that long; the pause adapts below it, none at one stream and never before a response's first
+    event; 0 turns it off; see ``router/_pump.c``)."""
 
     def __init__(
         self,
