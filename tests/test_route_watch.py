@@ -15,9 +15,10 @@ import trustme
 import schema
 from control.fleet import Node, NodeState
 from control.routewatch import RouteWatch
-from control.transport import ServerTLS, StreamServer
+from control.transport import PeerIdentity, ServerStream, ServerTLS, StreamServer
 from router.routes import ModelRoutes, Upstream
 from router.watch import WatchedRoutes
+from schema.rpc import Code, RpcError
 from tests.fleet_procs import free_port, one_node
 
 TOKEN = "route-watch-read-token-0123456789"
@@ -202,3 +203,28 @@ async def test_watch_over_tls_verifies_the_control_plane(tmp_path: Path) -> None
         await nursery.start(untrusted.run)
         assert dict(untrusted.routes()) == {}
         nursery.cancel_scope.cancel()
+
+
+def test_without_tokens_only_loopback_peers_may_watch() -> None:
+    """No [api] tokens: a loopback peer may watch (as the admin API), any other is PERMISSION_DENIED
+    naming the setting; with tokens, a peer's address alone is worth nothing."""
+
+    class Peer(ServerStream):
+        def __init__(self, address: str, authorization: str = "") -> None:
+            self.peer = PeerIdentity(address)
+            self.metadata = {"authorization": authorization} if authorization else {}
+
+    open_watch = RouteWatch()
+    open_watch.authorize(Peer("127.0.0.1:5000"))
+    open_watch.authorize(Peer("::1:5000"))
+    with pytest.raises(RpcError) as info:
+        open_watch.authorize(Peer("10.0.0.7:5000"))
+    assert info.value.code is Code.PERMISSION_DENIED and "read_tokens" in info.value.message
+
+    guarded = RouteWatch(["t1", "t2"])
+    guarded.authorize(Peer("10.0.0.7:5000", "Bearer t2"))
+    guarded.authorize(Peer("10.0.0.7:5000", "bearer t1"))
+    for peer in (Peer("127.0.0.1:5000"), Peer("127.0.0.1:5000", "Bearer t3"), Peer("10.0.0.7:1", "Basic t1")):
+        with pytest.raises(RpcError) as info:
+            guarded.authorize(peer)
+        assert info.value.code is Code.UNAUTHENTICATED
