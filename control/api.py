@@ -6,8 +6,10 @@ agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times ar
 
     GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards,
                                     engines (each one's version, or why it is unknown)
+    GET  /api/nodes/NODE            one node, the replicas on it, and its recent events
     GET  /api/replicas              every placed replica and its shards' observed states
     GET  /api/models                every model: replicas wanted, placed and ready, and why not placed
+    GET  /api/models/MODEL          MODEL's replicas (as why), and its shards' recent events
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
     GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
                                     (&previous=1: the run before its last restart; &after=OFFSET:
@@ -37,7 +39,8 @@ import ipaddress
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
@@ -48,7 +51,8 @@ from hypercorn.trio import serve
 
 import schema
 from control.config import AdminApi
-from control.fleet import LIVE_SHARD_STATES
+from control.events import Event
+from control.fleet import LIVE_SHARD_STATES, Node
 from control.placement import model_name_of
 from control.query import ControlQuery, ControlView, DrainRefused, engine_views
 from control.transport import ServerTLS
@@ -67,54 +71,52 @@ class ApiError(Exception):
 
 
 def nodes_doc(view: ControlView) -> list[dict[str, Any]]:
-    now = view.now
     used: dict[str, set[int]] = {}
     for replica in view.placements:
         for shard in replica.shards:
             used.setdefault(shard.node_id, set()).update(shard.gpu_indices)
-    out = []
-    for node in sorted(view.nodes.values(), key=lambda n: n.node_id):
-        reg = node.register
-        last = node.history[-1] if node.history else None
-        out.append(
+    return [_node_entry(view, node, used) for node in sorted(view.nodes.values(), key=lambda n: n.node_id)]
+
+
+def _node_entry(view: ControlView, node: Node, used: dict[str, set[int]]) -> dict[str, Any]:
+    now = view.now
+    reg = node.register
+    last = node.history[-1] if node.history else None
+    return {
+        "node_id": node.node_id,
+        "state": node.state.value,
+        "reason": last.reason if last else "",
+        "since_s": round(now - node.since, 1),
+        "connected": node.connected,
+        "draining": node.draining,
+        "cordoned": node.cordoned,
+        "heartbeat_age_s": round(now - node.last_heartbeat, 1),
+        "mgmt_addr": reg.mgmt_addr,
+        "gpus": len(reg.gpus),
+        "gpus_free": len(reg.gpus) - len(used.get(node.node_id, set())),
+        "gpu_model": reg.gpus[0].name if reg.gpus else "",
+        "fabrics": sorted({f.fabric for f in reg.fabrics}),
+        "labels": dict(reg.labels),
+        # Each engine's version as the agent found it at start, or why it is unknown.
+        "engines": [
+            {"engine": name, "version": e.version, "error": e.error} for name, e in engine_views(reg).items()
+        ],
+        "discovery_error": reg.discovery_error,
+        # How its stream proved it speaks for the node: mtls, node token, credential, join
+        # token, or insecure (no authentication: `insecure = true`).
+        "auth": view.admitted_by.get(node.node_id, ""),
+        "insecure": view.insecure,
+        "shards": sorted(node.shards),
+        "history": [
             {
-                "node_id": node.node_id,
-                "state": node.state.value,
-                "reason": last.reason if last else "",
-                "since_s": round(now - node.since, 1),
-                "connected": node.connected,
-                "draining": node.draining,
-                "cordoned": node.cordoned,
-                "heartbeat_age_s": round(now - node.last_heartbeat, 1),
-                "mgmt_addr": reg.mgmt_addr,
-                "gpus": len(reg.gpus),
-                "gpus_free": len(reg.gpus) - len(used.get(node.node_id, set())),
-                "gpu_model": reg.gpus[0].name if reg.gpus else "",
-                "fabrics": sorted({f.fabric for f in reg.fabrics}),
-                "labels": dict(reg.labels),
-                # Each engine's version as the agent found it at start, or why it is unknown.
-                "engines": [
-                    {"engine": name, "version": e.version, "error": e.error}
-                    for name, e in engine_views(reg).items()
-                ],
-                "discovery_error": reg.discovery_error,
-                # How its stream proved it speaks for the node: mtls, node token, credential, join
-                # token, or insecure (no authentication: `insecure = true`).
-                "auth": view.admitted_by.get(node.node_id, ""),
-                "insecure": view.insecure,
-                "shards": sorted(node.shards),
-                "history": [
-                    {
-                        "at_s_ago": round(now - t.at, 1),
-                        "from": t.old.value if t.old else "",
-                        "to": t.new.value,
-                        "reason": t.reason,
-                    }
-                    for t in node.history[-10:]
-                ],
+                "at_s_ago": round(now - t.at, 1),
+                "from": t.old.value if t.old else "",
+                "to": t.new.value,
+                "reason": t.reason,
             }
-        )
-    return out
+            for t in node.history[-10:]
+        ],
+    }
 
 
 #: Where a shard runs: (GPUs, port, node rank, nnodes, master address, master port).
@@ -258,6 +260,68 @@ def models_doc(view: ControlView) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+#: Events a node's or a model's document shows (the newest; ``control.events`` keeps 50 a subject).
+EVENTS_SHOWN = 50
+
+
+def events_doc(view: ControlView, events: Iterable[Event]) -> list[dict[str, Any]]:
+    """Events oldest first: seconds ago on the control plane's monotonic clock, and the wall-clock
+    time (UTC, ISO 8601) to set against other logs."""
+    return [
+        {
+            "at_s_ago": round(view.now - e.at, 1),
+            "time": datetime.fromtimestamp(e.wall, UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "kind": e.kind.value,
+            "node_id": e.node_id,
+            "shard_id": e.shard_id,
+            "replica_id": e.replica_id,
+            "from": e.old,
+            "to": e.new,
+            "reason": e.reason,
+        }
+        for e in events
+    ]
+
+
+def node_doc(view: ControlView, node_id: str) -> dict[str, Any]:
+    """One node for ``ctl describe node``: its ``/api/nodes`` entry, the replicas with a shard on
+    it, and its recent events (liveness, operators' decisions, its shards' states and commands)."""
+    node = view.nodes.get(node_id)
+    if node is None:
+        raise ApiError(404, f"no node {node_id!r}; known: {', '.join(sorted(view.nodes)) or 'none'}")
+    used: dict[str, set[int]] = {}
+    for replica in view.placements:
+        for shard in replica.shards:
+            if shard.node_id == node_id:
+                used.setdefault(node_id, set()).update(shard.gpu_indices)
+    doc = _node_entry(view, node, used)
+    doc["replicas"] = [r for r in replicas_doc(view) if any(s["node_id"] == node_id for s in r["shards"])]
+    shard_ids = {
+        *node.shards,
+        *(s.shard_id for r in view.placements for s in r.shards if s.node_id == node_id),
+    }
+    shard_events = [e for e in view.events.for_shards(shard_ids) if e.node_id == node_id]
+    events = sorted([*view.events.for_node(node_id), *shard_events], key=lambda e: e.seq)
+    doc["events"] = events_doc(view, events[-EVENTS_SHOWN:])
+    return doc
+
+
+def model_doc(view: ControlView, model: str) -> dict[str, Any]:
+    """One model for ``ctl describe model``: what ``/api/why/MODEL`` says (replicas wanted, placed
+    with their shards, unplaced with the reasons), its names and engine, and the recent events of
+    its shards, those that no longer run included."""
+    doc = why_doc(view, model)
+    cfg = view.models[model]
+    doc["served_model_name"] = cfg.served_name
+    doc["engine"] = cfg.profile.engine
+    placed = {s["shard_id"] for r in doc["placed"] for s in r["shards"]}
+    shard_ids = [*placed, *view.events.shards_of(lambda rid: model_name_of(rid) == model)]
+    doc["events"] = events_doc(view, view.events.for_shards(shard_ids)[-EVENTS_SHOWN:])
+    return doc
 
 
 def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
@@ -539,6 +603,10 @@ def make_app(query: ControlQuery, guard: ApiGuard) -> Callable[[Scope, Receive, 
                 body = replicas_doc(query.view())
             elif method == "GET" and parts == ["api", "models"]:
                 body = models_doc(query.view())
+            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "nodes"]:
+                body = node_doc(query.view(), parts[2])
+            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "models"]:
+                body = model_doc(query.view(), parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "why"]:
                 body = why_doc(query.view(), parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "logs"]:

@@ -16,7 +16,7 @@ and time for ``ctl``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
@@ -91,6 +91,18 @@ class Fleet:
     #: record: a node that is lost (and so not saved) or not yet re-registered after a control plane
     #: restart is still cordoned when it comes back.
     cordons: dict[str, Cordon] = attrs.field(factory=dict)
+    #: Told ``(node_id, before, after)`` when a node's report of a shard changes (its state, process
+    #: or error), by a ShardStatus or a Register listing it: the control plane keeps these as events.
+    on_shard: Callable[[str, schema.ShardStatus | None, schema.ShardStatus], None] | None = None
+    #: Told every node transition as it is made (the same ones the methods return).
+    on_transition: Callable[[Transition], None] | None = None
+
+    def _seen(self, node_id: str, before: schema.ShardStatus | None, after: schema.ShardStatus) -> None:
+        if self.on_shard is not None and (
+            before is None
+            or (before.state, before.pid, before.error) != (after.state, after.pid, after.error)
+        ):
+            self.on_shard(node_id, before, after)
 
     def cordon(self, node_id: str, mark: Cordon) -> None:
         """Cordon or drain a known node (``KeyError`` naming it when unknown). A drain is never
@@ -127,23 +139,32 @@ class Fleet:
             node.lost_deadline = now + self.lost_after
         node.history.append(t)
         del node.history[:-50]  # enough for `ctl`, bounded for a node that flaps for weeks
+        if self.on_transition is not None:
+            self.on_transition(t)
         return t
 
     def registered(self, register: schema.Register, now: float) -> list[Transition]:
         """A node (re)registered: it is ready, and its shard list replaces what we knew."""
         self.generation += 1
         node = self.nodes.get(register.node_id)
+        before = node.shards if node else {}
         shards = {s.shard_id: s for s in register.shards}
         if node is None:
             node = Node(register.node_id, register, NodeState.READY, now, now, shards=shards)
             self.nodes[register.node_id] = node
             self._apply_cordon(node)
-            return [self._move(node, NodeState.READY, now, "registered")]
-        node.register, node.shards = register, shards
-        node.connected, node.last_heartbeat = True, now
-        if node.state is NodeState.READY:
-            return []
-        return [self._move(node, NodeState.READY, now, f"registered again after being {node.state.value}")]
+            out = [self._move(node, NodeState.READY, now, "registered")]
+        else:
+            node.register, node.shards = register, shards
+            node.connected, node.last_heartbeat = True, now
+            out = []
+            if node.state is not NodeState.READY:
+                reason = f"registered again after being {node.state.value}"
+                out.append(self._move(node, NodeState.READY, now, reason))
+        # After the node's own transition, so that a history reads: ready, then what it runs.
+        for shard_id, status in shards.items():
+            self._seen(register.node_id, before.get(shard_id), status)
+        return out
 
     def heartbeat(self, node_id: str, beat: schema.Heartbeat, now: float) -> list[Transition]:
         """A heartbeat on the node's current, authenticated stream (the caller guarantees both).
@@ -169,6 +190,7 @@ class Fleet:
             return
         before = node.shards.get(status.shard_id)
         node.shards[status.shard_id] = status
+        self._seen(node_id, before, status)
         if before is None or (before.state in LIVE_SHARD_STATES) != (status.state in LIVE_SHARD_STATES):
             # An engine appeared or stopped: what the node's engines hold changed for placement.
             self.generation += 1

@@ -36,6 +36,7 @@ import schema
 from control.agentsvc import AgentService
 from control.api import serve_api
 from control.config import ControlConfig, Listen, ModelConfig
+from control.events import Event, EventLog, Kind
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, Transition
 from control.placement import (
     GpuView,
@@ -134,12 +135,22 @@ def _held(node: Node) -> tuple[frozenset[int], frozenset[int]]:
 
 
 class ControlPlane:
-    def __init__(self, config: ControlConfig, clock: Callable[[], float] = trio.current_time) -> None:
+    def __init__(
+        self,
+        config: ControlConfig,
+        clock: Callable[[], float] = trio.current_time,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.clock = clock
+        self.wall_clock = wall_clock
         self.models: dict[str, ModelConfig] = {m.name: m for m in config.models}
         live = config.liveness
-        self.fleet = Fleet(live.unreachable_after, live.lost_after)
+        #: The last transitions of every node and shard, for ``ctl describe`` (``control.events``).
+        self.events = EventLog()
+        self.fleet = Fleet(
+            live.unreachable_after, live.lost_after, on_shard=self._shard_seen, on_transition=self._node_moved
+        )
         self.agents = AgentService(
             self.fleet,
             tokens=config.tokens,
@@ -196,10 +207,64 @@ class ControlPlane:
         if transitions:
             self.poke()
 
+    def _node_moved(self, t: Transition) -> None:
+        """A node's liveness changed: recorded as the fleet makes the change, so that its shards'
+        events, reported in the same Register, follow it."""
+        old = t.old.value if t.old else ""
+        self._event(Kind.NODE, t.node_id, old=old, new=t.new.value, reason=t.reason, at=t.at)
+
+    def _event(
+        self,
+        kind: Kind,
+        node_id: str,
+        *,
+        at: float | None = None,
+        shard_id: str = "",
+        replica_id: str = "",
+        old: str = "",
+        new: str = "",
+        reason: str = "",
+    ) -> None:
+        """Record a transition (``control.events``) at ``at`` (default now) and the wall clock's now."""
+        at = self.clock() if at is None else at
+        wall = self.wall_clock()
+        self.events.record(Event(kind, at, wall, node_id, shard_id, replica_id, old, new, reason))
+
+    def _command(
+        self, node_id: str, shard_id: str, replica_id: str, new: str, reason: str, at: float
+    ) -> None:
+        """Record a command the reconciler sent; a stop or drain names the replica the node reported."""
+        if not replica_id:
+            node = self.fleet.nodes.get(node_id)
+            status = node.shards.get(shard_id) if node else None
+            replica_id = status.replica_id if status else ""
+        self._event(
+            Kind.COMMAND, node_id, at=at, shard_id=shard_id, replica_id=replica_id, new=new, reason=reason
+        )
+
+    def _shard_seen(self, node_id: str, before: schema.ShardStatus | None, after: schema.ShardStatus) -> None:
+        """A node reported a shard in a new state (or a new process, or a new error)."""
+        old = State(before.state).name.lower() if before is not None else ""
+        new = State(after.state).name.lower()
+        reason = after.error
+        if before is not None and old == new and before.pid != after.pid:
+            reason = reason or f"engine process {before.pid} -> {after.pid}"
+        self._event(
+            Kind.SHARD,
+            node_id,
+            shard_id=after.shard_id,
+            replica_id=after.replica_id,
+            old=old,
+            new=new,
+            reason=reason,
+        )
+
     async def cordon_node(self, node_id: str) -> None:
         """Cordon a node (it takes nothing new, keeps what runs); on disk before this returns."""
         self.fleet.cordon(node_id, Cordon.CORDONED)
-        log.info("node %s: %s (takes no new replicas)", node_id, self.fleet.cordons[node_id].value)
+        mark = self.fleet.cordons[node_id].value
+        log.info("node %s: %s (takes no new replicas)", node_id, mark)
+        self._event(Kind.OPERATOR, node_id, new=mark, reason="cordoned by an admin: takes no new replicas")
         await self.save()
         self.poke()
 
@@ -207,7 +272,15 @@ class ControlPlane:
         """Undo a cordon or a drain; on disk before this returns. Replicas that already moved stay
         where they are now (placements are stable); the node takes new ones again."""
         undone = self.fleet.uncordon(node_id)
-        log.info("node %s: uncordoned (was %s)", node_id, undone.value if undone else "not cordoned")
+        was = undone.value if undone else "not cordoned"
+        log.info("node %s: uncordoned (was %s)", node_id, was)
+        self._event(
+            Kind.OPERATOR,
+            node_id,
+            old=undone.value if undone else "",
+            new="uncordoned",
+            reason=f"uncordoned by an admin (was {was})",
+        )
         await self.save()
         self.poke()
         return undone
@@ -249,17 +322,17 @@ class ControlPlane:
                     f"{', '.join(r.replica_id for r in leaving)} ({reason})"
                 )
         if refusals and not force:
-            raise DrainRefused(
+            refused = DrainRefused(
                 f"drain of {node_id} refused: {'; '.join(refusals)}; "
                 "add capacity elsewhere, or drain with --force to stop them anyway"
             )
+            self._event(Kind.OPERATOR, node_id, new="drain refused", reason=str(refused))
+            raise refused
         self.fleet.cordon(node_id, Cordon.DRAINING)
-        log.info(
-            "node %s: draining%s (cordoned; replicas move elsewhere): %s",
-            node_id,
-            " with --force" if refusals else "",
-            "; ".join(lines) or "nothing runs there",
-        )
+        what = "; ".join(lines) or "nothing runs there"
+        forced = " with --force" if refusals else ""
+        log.info("node %s: draining%s (cordoned; replicas move elsewhere): %s", node_id, forced, what)
+        self._event(Kind.OPERATOR, node_id, new="draining", reason=f"drained by an admin{forced}: {what}")
         await self.save()
         self.poke()
         return lines
@@ -431,20 +504,28 @@ class ControlPlane:
         specs = {s.shard_id: self.start_spec(r, s) for r in plan.replicas for s in r.shards}
         for command in self.reconciler.step(plan, self.fleet.nodes, specs, now):
             if isinstance(command, Start):
-                log.info("start %s on %s", command.spec.shard_id, command.node_id)
+                shard_id = command.spec.shard_id
+                log.info("start %s on %s", shard_id, command.node_id)
                 self.agents.send(command.node_id, start=command.spec)
+                failures = self.reconciler.failures(command.node_id, shard_id)
+                reason = f"StartShard sent (after {failures} failure(s))" if failures else "StartShard sent"
+                self._command(command.node_id, shard_id, command.spec.replica_id, "start", reason, now)
             elif isinstance(command, Stop):
                 log.info("stop %s on %s", command.shard_id, command.node_id)
                 self.agents.send(
                     command.node_id,
                     stop=schema.StopShard(shard_id=command.shard_id, grace_seconds=command.grace),
                 )
+                reason = f"StopShard sent (grace {command.grace:g} s)"
+                self._command(command.node_id, command.shard_id, "", "stop", reason, now)
             elif isinstance(command, Drain):
                 log.info("drain %s on %s", command.shard_id, command.node_id)
                 self.agents.send(
                     command.node_id,
                     drain=schema.DrainShard(shard_id=command.shard_id, deadline_seconds=command.deadline),
                 )
+                reason = f"DrainShard sent (deadline {command.deadline:g} s)"
+                self._command(command.node_id, command.shard_id, "", "drain", reason, now)
         live = [(s.node_id, s.shard_id) for r in plan.replicas for s in r.shards]
         live += [(n.node_id, sid) for n in self.fleet.nodes.values() for sid in n.shards]
         self.reconciler.forget(live)
@@ -515,15 +596,7 @@ class ControlPlane:
         from router.server import Router
 
         self.build_routes()
-        router = Router(
-            self.routes,
-            api_keys=frozenset(self.config.api_keys),
-            relay_coalesce_us=self.config.router_coalesce_us,
-            response_timeout=self.config.router_response_timeout,
-            stream_idle_timeout=self.config.router_stream_idle_timeout,
-            client_limits=self.config.router_client_limits,
-            metrics_key=self.config.metrics_key,
-        )
+        router = Router.from_config(self.routes, self.config.router_config)
         if not self.config.runs_control_plane:
             # A catalog of static endpoints only: a router-only run, no agents, no reconciler.
             host, port = Listen.split(self.config.listen.router)
@@ -621,6 +694,7 @@ class PlaneQuery:
             admitted_by=MappingProxyType(plane.agents.admitted_by),
             insecure=plane.config.insecure,
             backoff=backoff,
+            events=plane.events,
         )
 
     async def request_logs(

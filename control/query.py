@@ -18,6 +18,7 @@ import attrs
 
 import schema
 from control.config import ModelConfig
+from control.events import EventLog
 from control.fleet import Cordon, Node
 from control.placement import EngineView, Plan, ReplicaPlacement
 
@@ -67,6 +68,8 @@ class ControlView:
     insecure: bool = False
     #: ``(node_id, shard_id) -> (failures, retry_at)``: a placed shard's crash-loop backoff.
     backoff: Callable[[str, str], tuple[int, float | None]] = _no_backoff
+    #: The last transitions of every node and shard (``control.events``), for ``describe``.
+    events: EventLog = attrs.field(factory=EventLog)
 
 
 class JoinSecrets(Protocol):

@@ -315,6 +315,14 @@ def test_drain_refused_for_a_last_replica_then_forced_and_remembered_across_rest
         assert "--force" in refused.stderr
         node = next(n for n in fleet.cp.api("/api/nodes") if n["node_id"] == "gpu02")
         assert not node["draining"] and not node["cordoned"]
+        # What `ctl describe` reads: the node's transitions where they happened, oldest first.
+        described = fleet.cp.api("/api/nodes/gpu02")
+        events = [(e["kind"], e["to"]) for e in described["events"]]
+        assert events[0] == ("node", "ready") and events[-1] == ("operator", "drain refused")
+        assert events.count(("command", "start")) == 2 and events.count(("shard", "ready")) == 2
+        assert all(e["time"].endswith("Z") and e["at_s_ago"] >= 0 for e in described["events"])
+        model = fleet.cp.api(f"/api/models/{chat}")
+        assert [e["to"] for e in model["events"]].count("ready") == 2 and len(model["placed"]) == 2
 
         # A cordon survives a restart, and keeps what runs.
         cordoned = fleet.cp.ctl("cordon", "gpu02")
@@ -323,6 +331,10 @@ def test_drain_refused_for_a_last_replica_then_forced_and_remembered_across_rest
         fleet.cp.start()
         poll("gpu02 registered again", lambda: fleet.cp.api("/api/nodes")[0]["state"] == "ready")
         assert "ready (cordoned)" in fleet.cp.ctl("nodes").stdout
+        # A restarted control plane starts a new history: the restart, then what the agent reported.
+        events = [(e["kind"], e["from"], e["to"]) for e in fleet.cp.api("/api/nodes/gpu02")["events"]]
+        assert events[:2] == [("node", "", "unreachable"), ("node", "unreachable", "ready")]
+        assert events.count(("shard", "", "ready")) == 2 and ("command", "", "start") not in events
         poll(f"{chat} ready after the restart", lambda: fleet.ready_replicas(chat, 2))
         assert sim_processes(chat) == pids
 

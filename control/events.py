@@ -1,0 +1,114 @@
+"""Recent events per node and per shard, for ``ctl describe``: what changed, when, and why.
+
+A bounded, sans-IO record: the control plane appends an ``Event`` where a transition happens (a
+node's liveness, a shard's reported state, a command the reconciler sent, an operator's cordon or
+drain) and the admin API reads the last ones for one node or one shard. Each event carries the
+control plane's monotonic time (what "seconds ago" is computed from, as liveness is) and a wall
+clock stamp (what a person correlates with other logs). Nothing is written to disk: a restarted
+control plane starts a new history, as kubelet's events do.
+
+Bounds: ``per_subject`` events for each node and each shard, and ``max_subjects`` shards (the
+oldest-touched shard is forgotten first), so a fleet that churns shards for weeks holds a fixed
+amount.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable, Iterable
+
+import attrs
+
+#: Events kept per node and per shard.
+PER_SUBJECT = 50
+#: Shards whose events are kept; beyond it the least recently touched is forgotten.
+MAX_SHARDS = 20_000
+#: The longest reason kept (agents' error texts are bounded too; this bounds what we add).
+MAX_REASON = 500
+
+
+class Kind(enum.StrEnum):
+    #: A node's liveness changed (ready, unreachable, lost).
+    NODE = "node"
+    #: An operator's decision about a node (cordon, drain, uncordon).
+    OPERATOR = "operator"
+    #: A shard's state as its agent reported it changed.
+    SHARD = "shard"
+    #: The reconciler sent a command for a shard (start, stop, drain).
+    COMMAND = "command"
+
+
+@attrs.frozen
+class Event:
+    kind: Kind
+    #: The control plane's monotonic clock.
+    at: float
+    #: Seconds since the epoch (UTC), for people.
+    wall: float
+    node_id: str
+    #: Empty for node and operator events.
+    shard_id: str = ""
+    replica_id: str = ""
+    #: The state before and after ("" when there is none: a first report, a command).
+    old: str = ""
+    new: str = ""
+    reason: str = ""
+    #: The order it was recorded in (set by ``EventLog.record``): events of one instant keep it.
+    seq: int = 0
+
+
+@attrs.define
+class EventLog:
+    """The last events of every node and every shard (see the module docstring)."""
+
+    per_subject: int = PER_SUBJECT
+    max_shards: int = MAX_SHARDS
+    _nodes: dict[str, collections.deque[Event]] = attrs.field(factory=dict)
+    _shards: collections.OrderedDict[str, collections.deque[Event]] = attrs.field(
+        factory=collections.OrderedDict
+    )
+    _seq: int = 0
+    #: shard id -> its replica id (a shard's replica never changes; a stop may not name it).
+    _replicas: dict[str, str] = attrs.field(factory=dict)
+
+    def record(self, event: Event) -> None:
+        """Keep ``event`` under its shard when it has one, else under its node (so a node's own
+        transitions are not pushed out by its shards' busier histories)."""
+        self._seq += 1
+        reason = event.reason if len(event.reason) <= MAX_REASON else event.reason[: MAX_REASON - 3] + "..."
+        event = attrs.evolve(event, reason=reason, seq=self._seq)
+        if not event.shard_id:
+            self._nodes.setdefault(event.node_id, collections.deque(maxlen=self.per_subject)).append(event)
+        else:
+            shard = self._shards.get(event.shard_id)
+            if shard is None:
+                shard = self._shards[event.shard_id] = collections.deque(maxlen=self.per_subject)
+                while len(self._shards) > self.max_shards:
+                    gone, _ = self._shards.popitem(last=False)
+                    self._replicas.pop(gone, None)
+            else:
+                self._shards.move_to_end(event.shard_id)
+            if event.replica_id:
+                self._replicas[event.shard_id] = event.replica_id
+            shard.append(event)
+
+    def for_node(self, node_id: str) -> tuple[Event, ...]:
+        """The node's own last events (liveness, operators' decisions), oldest first."""
+        return tuple(self._nodes.get(node_id, ()))
+
+    def for_shard(self, shard_id: str) -> tuple[Event, ...]:
+        """The shard's last events, oldest first."""
+        return tuple(self._shards.get(shard_id, ()))
+
+    def for_shards(self, shard_ids: Iterable[str]) -> tuple[Event, ...]:
+        """The events of several shards (a model's), merged in the order they were recorded."""
+        merged = [e for sid in dict.fromkeys(shard_ids) for e in self._shards.get(sid, ())]
+        return tuple(sorted(merged, key=lambda e: e.seq))
+
+    def shards_of(self, replica_ids: Callable[[str], bool]) -> tuple[str, ...]:
+        """The shards with events kept whose replica id passes ``replica_ids`` (one model's)."""
+        return tuple(sid for sid, rid in self._replicas.items() if replica_ids(rid))
+
+
+__all__ = ["MAX_SHARDS", "PER_SUBJECT", "Event", "EventLog", "Kind"]
