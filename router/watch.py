@@ -130,7 +130,7 @@ class WatchedRoutes:
                             log.info(
                                 "route watch on %s %s: %d model(s), revision %s/%d",
                                 self.url,
-                                "recovered" if lost else "subscribed",
+                                "recovered" if self.tables > 1 else "subscribed",
                                 len(self._routes),
                                 self.epoch,
                                 self.revision,
@@ -140,7 +140,10 @@ class WatchedRoutes:
             except (RpcError, TransportError, OSError, ValueError) as exc:
                 reason = str(exc)
             failures += 1
-            if not lost:
+            if not lost and not self.tables:
+                lost = True
+                log.warning("route watch on %s: no table yet: %s; retrying", self.url, reason)
+            elif not lost:
                 lost = True
                 log.warning(
                     "route watch on %s lost: %s; serving the last routes (%d model(s), revision %s/%d) "
@@ -148,7 +151,7 @@ class WatchedRoutes:
                     self.url,
                     reason,
                     len(self._routes),
-                    self.epoch or "-",
+                    self.epoch,
                     self.revision,
                 )
             else:
