@@ -94,6 +94,7 @@ from cattrs.v import format_exception
 
 import schema
 from control.placement import engine_constraint
+from router.config import RouterConfig
 from router.limits import (
     DEFAULT_CLIENT_IDLE_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -604,6 +605,21 @@ class ControlConfig:
         return ClientLimits(
             header_timeout=self.router_header_timeout,
             idle_timeout=self.router_client_idle_timeout,
+            max_connections=self.router_max_connections,
+        )
+
+    @property
+    def router_config(self) -> RouterConfig:
+        """The embedded router's settings, from this file's router keys (the listen address and
+        the routes are the plane's own), as ``Router.from_config`` takes them."""
+        return RouterConfig(
+            api_keys=tuple(self.api_keys),
+            metrics_key=self.metrics_key,
+            relay_coalesce_us=self.router_coalesce_us,
+            response_timeout=self.router_response_timeout,
+            stream_idle_timeout=self.router_stream_idle_timeout,
+            header_timeout=self.router_header_timeout,
+            client_idle_timeout=self.router_client_idle_timeout,
             max_connections=self.router_max_connections,
         )
 

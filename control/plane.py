@@ -49,7 +49,7 @@ from control.placement import (
     place,
 )
 from control.query import ControlView, DrainRefused, JoinSecrets, engine_views
-from control.reconcile import Drain, Reconciler, Start, Stop, drain_verdict
+from control.reconcile import Drain, Reconciler, Start, Stop
 from control.routes import route_table
 from control.routewatch import RouteWatch
 from control.state import STATE_FILE, StateFileError, StateSaver, read_state
@@ -298,8 +298,29 @@ class ControlPlane:
             known = ", ".join(sorted(self.fleet.nodes)) or "none"
             raise KeyError(f"no node {node_id!r}; known: {known}")
         plan = await self._plan_without(node_id)
-        verdict = drain_verdict(node_id, self.placements, plan, self.fleet.nodes)
-        lines, refusals = list(verdict.moves), verdict.refusals
+        lines: list[str] = []
+        refusals: list[str] = []
+        for model in sorted({r.model for r in self.placements if node_id in r.node_ids}):
+            replicas = [r for r in self.placements if r.model == model]
+            leaving = [r for r in replicas if node_id in r.node_ids]
+            moving = False
+            for replica in leaving:
+                new = plan.replica(replica.replica_id)
+                if new is not None:
+                    moving = True
+                    lines.append(f"{replica.replica_id} moves to {', '.join(new.node_ids)}")
+                else:
+                    why = plan.why(replica.replica_id)
+                    lines.append(f"{replica.replica_id} cannot move: {why.reason if why else 'not placed'}")
+            ready_here = any(self._ready(r) for r in leaving)
+            ready_elsewhere = any(self._ready(r) for r in replicas if node_id not in r.node_ids)
+            if ready_here and not ready_elsewhere and not moving:
+                unplaced = plan.unplaced_for(model)
+                reason = unplaced[0].reason if unplaced else "not placed"
+                refusals.append(
+                    f"{model} would have no ready replica: nowhere else can take "
+                    f"{', '.join(r.replica_id for r in leaving)} ({reason})"
+                )
         if refusals and not force:
             refused = DrainRefused(
                 f"drain of {node_id} refused: {'; '.join(refusals)}; "
@@ -315,6 +336,15 @@ class ControlPlane:
         await self.save()
         self.poke()
         return lines
+
+    def _ready(self, replica: ReplicaPlacement) -> bool:
+        """Every shard of the replica reports READY."""
+        for shard in replica.shards:
+            node = self.fleet.nodes.get(shard.node_id)
+            status = node.shards.get(shard.shard_id) if node else None
+            if status is None or status.state != State.READY:
+                return False
+        return True
 
     async def _plan_without(self, node_id: str) -> Plan:
         """The plan placement would make with ``node_id`` draining as well (nothing is changed)."""

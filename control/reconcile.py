@@ -214,52 +214,6 @@ def _differs(running: schema.StartShard | None, wanted: schema.StartShard) -> bo
     )
 
 
-@attrs.frozen
-class DrainVerdict:
-    """What draining a node would do (``drain_verdict``)."""
-
-    #: One line per replica on the node: where it moves, or why it cannot.
-    moves: tuple[str, ...]
-    #: One line per model the drain would leave with no ready replica; empty: the drain may go on.
-    refusals: tuple[str, ...]
-
-
-def drain_verdict(
-    node_id: str, placements: Sequence[ReplicaPlacement], plan: Plan, nodes: Mapping[str, Node]
-) -> DrainVerdict:
-    """Judge a drain of ``node_id`` before making it: ``plan`` is the plan placement makes with the
-    node draining, ``placements`` those of now.
-
-    A model is refused when a replica on the node is ready, none elsewhere is, and none of its
-    replicas on the node can move: the drain would stop its last serving engine with nothing to
-    take over (kubectl drain against a PodDisruptionBudget; the operator may force it).
-    """
-    moves: list[str] = []
-    refusals: list[str] = []
-    for model in sorted({r.model for r in placements if node_id in r.node_ids}):
-        replicas = [r for r in placements if r.model == model]
-        leaving = [r for r in replicas if node_id in r.node_ids]
-        moving = False
-        for replica in leaving:
-            new = plan.replica(replica.replica_id)
-            if new is not None:
-                moving = True
-                moves.append(f"{replica.replica_id} moves to {', '.join(new.node_ids)}")
-            else:
-                why = plan.why(replica.replica_id)
-                moves.append(f"{replica.replica_id} cannot move: {why.reason if why else 'not placed'}")
-        ready_here = any(_replica_ready(r, nodes) for r in leaving)
-        ready_elsewhere = any(_replica_ready(r, nodes) for r in replicas if node_id not in r.node_ids)
-        if ready_here and not ready_elsewhere and not moving:
-            unplaced = plan.unplaced_for(model)
-            reason = unplaced[0].reason if unplaced else "not placed"
-            refusals.append(
-                f"{model} would have no ready replica: nowhere else can take "
-                f"{', '.join(r.replica_id for r in leaving)} ({reason})"
-            )
-    return DrainVerdict(tuple(moves), tuple(refusals))
-
-
 def _replica_ready(replica: ReplicaPlacement, nodes: Mapping[str, Node]) -> bool:
     for shard in replica.shards:
         node = nodes.get(shard.node_id)

@@ -68,11 +68,13 @@ No global state: every counter, pool and table belongs to one ``Router``.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import NoReturn, cast
@@ -81,6 +83,7 @@ import attrs
 import trio
 
 from router.balancer import Balancer, affinity_key, prefix_digest
+from router.config import RouterConfig
 from router.framing import (
     CHUNKED,
     LENGTH,
@@ -291,14 +294,48 @@ class Router:
         self.pump = make_pump(coalesce_us=relay_coalesce_us)
         self.created = int(time.time())
 
+    @classmethod
+    def from_config(
+        cls, routes: RoutesFn, config: RouterConfig, *, clock: Callable[[], float] = trio.current_time
+    ) -> Router:
+        """A router with every setting of ``config`` (the routes come from ``routes``: a static
+        table, the route watch, or the control plane's own table)."""
+        return cls(
+            routes,
+            api_keys=frozenset(config.api_keys),
+            affinity_chars=config.affinity_chars,
+            affinity_slack=config.affinity_slack,
+            max_attempts=config.max_attempts,
+            eject_after=config.eject_after,
+            eject_base=config.eject_base,
+            eject_max=config.eject_max,
+            connect_timeout=config.connect_timeout,
+            response_timeout=config.response_timeout,
+            stream_idle_timeout=config.stream_idle_timeout,
+            pool_max_idle=config.pool_max_idle,
+            pool_idle_timeout=config.pool_idle_timeout,
+            client_limits=config.client_limits,
+            metrics_key=config.metrics_key,
+            max_body_bytes=config.max_body_bytes,
+            relay_coalesce_us=config.relay_coalesce_us,
+            clock=clock,
+        )
+
     # -- the service -----------------------------------------------------------------------------
 
     async def serve(
-        self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+        self,
+        host: str,
+        port: int,
+        *,
+        reuse_port: bool = False,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen on ``host:port`` (0: the kernel picks), report the bound port, serve until cancelled."""
+        """Listen on ``host:port`` (0: the kernel picks), report the bound port, serve until
+        cancelled. ``reuse_port``: SO_REUSEPORT, so that several router processes on this host
+        listen on the same port and the kernel spreads new connections over them (``listen``)."""
         self.max_connections = connection_cap(self.client_limits.max_connections)
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        listeners = await listen(host, port, reuse_port=reuse_port)
         bound = int(listeners[0].socket.getsockname()[1])
         try:
             async with trio.open_nursery() as nursery:
@@ -1001,6 +1038,40 @@ class Router:
                         await self._write(ex, LAST_CHUNK)
                     return False
                 raise _UpstreamBroken("the engine closed the connection mid-response")
+
+
+async def listen(host: str, port: int, *, reuse_port: bool = False) -> list[trio.SocketListener]:
+    """TCP listeners on every address of ``host``. With ``reuse_port`` each socket has
+    SO_REUSEPORT set before it binds, which lets N router processes (the same user's) bind one
+    port: the kernel hashes each new connection to one of them, and one that exits leaves the
+    others listening (its own accept queue goes with it). Without it, as trio opens them."""
+    if not reuse_port:
+        return await trio.open_tcp_listeners(port, host=host)
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise OSError(errno.ENOPROTOOPT, "SO_REUSEPORT is not available on this system (--reuse-port)")
+    infos = await trio.socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    listeners: list[trio.SocketListener] = []
+    try:
+        for family, type_, proto, _, addr in infos:
+            sock = trio.socket.socket(family, type_, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                await sock.bind(addr)
+                sock.listen(socket.SOMAXCONN)
+            except BaseException:
+                sock.close()
+                raise
+            listeners.append(trio.SocketListener(sock))
+    except BaseException:
+        for listener in listeners:
+            listener.socket.close()
+        raise
+    return listeners
 
 
 def _whole_engine_chunks() -> bool:

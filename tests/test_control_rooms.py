@@ -486,36 +486,3 @@ def test_describe_documents_carry_the_transitions_where_they_happened(tmp_path: 
     ]
     with pytest.raises(ApiError, match="no model 'x' in the catalog; models: m"):
         model_doc(view, "x")
-
-
-# -- a drain, judged before it is made ---------------------------------------------------------------
-
-
-def test_drain_verdict_refuses_only_a_drain_that_stops_a_models_last_ready_engine() -> None:
-    from control.reconcile import drain_verdict
-
-    fleet = _fleet("n1", "n2")
-    here, there = _shard("m-r0", "n1", 8000), _shard("m-r1", "n2", 8000)
-    now = (ReplicaPlacement("m", "m-r0", (here,)), ReplicaPlacement("m", "m-r1", (there,)))
-    _report(fleet, here, "m-r0", State.READY)
-    nowhere = Unplaced("m", "m-r0", "0/2 nodes are available: 1 draining, 1 insufficient free GPUs", {})
-    stuck = Plan((now[1],), (nowhere,))
-
-    verdict = drain_verdict("n1", now, stuck, fleet.nodes)
-    assert verdict.moves == (
-        "m-r0 cannot move: 0/2 nodes are available: 1 draining, 1 insufficient free GPUs",
-    )
-    assert verdict.refusals == (
-        "m would have no ready replica: nowhere else can take m-r0 (0/2 nodes are available: 1 draining, "
-        "1 insufficient free GPUs)",
-    )
-    # Another ready replica elsewhere: the model keeps serving, so the drain may go on.
-    _report(fleet, there, "m-r1", State.READY)
-    assert drain_verdict("n1", now, stuck, fleet.nodes).refusals == ()
-    # Or the replica can move (its old engine serves until the new one is ready).
-    fleet.nodes["n2"].shards.clear()
-    moved = Plan((ReplicaPlacement("m", "m-r0", (_shard("m-r0", "n2", 8001),)), now[1]), ())
-    verdict = drain_verdict("n1", now, moved, fleet.nodes)
-    assert verdict == type(verdict)(("m-r0 moves to n2",), ())
-    # Nothing on the node: nothing to say.
-    assert drain_verdict("n9", now, moved, fleet.nodes) == type(verdict)((), ())

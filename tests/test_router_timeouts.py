@@ -341,8 +341,14 @@ def test_config_keys_and_their_checks() -> None:
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--response-timeout", "0"], "--response-timeout must be more than 0 seconds, got 0"),
-        (["--stream-idle-timeout", "-2"], "--stream-idle-timeout must be more than 0 seconds, got -2"),
+        (
+            ["--response-timeout", "0"],
+            "response_timeout (from --response-timeout): must be a number of seconds more than 0, got 0",
+        ),
+        (
+            ["--stream-idle-timeout=-2"],
+            "stream_idle_timeout (from --stream-idle-timeout): must be a number of seconds more than 0, got -2",
+        ),
     ],
 )
 def test_router_cli_refuses_timeouts_that_are_not_positive(flags: list[str], says: str) -> None:

@@ -1,0 +1,498 @@
+"""The router's settings: flags > environment (``LLMGW_ROUTER_*``) > TOML file > defaults.
+
+One frozen :class:`RouterConfig` holds every setting a router runs with, whether it runs alone
+(``python -m router``, which loads it here) or inside the control plane (which builds it from
+``llmgw.toml``'s router keys). Each layer is read into plain values first and merged key by key,
+and every key remembers where its value came from, so a bad value stops the router at start with
+one line naming the key, its source (``--response-timeout``, ``LLMGW_ROUTER_RESPONSE_TIMEOUT``, or
+``router.toml line 7``) and what was expected, as the agent's config does (``agent/config.py``):
+an operator running several routers should never have to guess which of three places holds the
+typo. Unknown keys are errors, not ignored (with the closest known key as a hint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from router.limits import (
+    DEFAULT_CLIENT_IDLE_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    ClientLimits,
+)
+from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
+from router.routes import parse_url
+from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
+
+ENV_PREFIX = "LLMGW_ROUTER_"
+#: Read when present and no ``--config`` / ``LLMGW_ROUTER_CONFIG`` names another file.
+DEFAULT_CONFIG = Path("/etc/llmgw/router.toml")
+
+
+class ConfigError(Exception):
+    """A configuration a person must fix; the message names the key, where its value came from
+    and what is expected. ``python -m router`` prints it as one line and exits with status 2."""
+
+
+class FieldProblem(ValueError):
+    """A rule one setting breaks, raised by a validator with the setting's name, so the error can
+    say where the value came from (the flag, the variable, or the file and line)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0 or math.isinf(value):  # also refuses NaN
+        raise FieldProblem(attribute.name, f"must be a number of seconds more than 0, got {value:g}")
+
+
+def _at_least(low: int) -> Callable[[object, attrs.Attribute[int], int], None]:
+    def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if value < low:
+            raise FieldProblem(attribute.name, f"must be at least {low}, got {value}")
+
+    return check
+
+
+def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise FieldProblem(attribute.name, f"must be a port, 0-65535 (0: the kernel picks), got {value}")
+
+
+def _coalesce(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 <= value <= MAX_COALESCE_US:
+        raise FieldProblem(attribute.name, f"must be 0 to {MAX_COALESCE_US} microseconds, got {value}")
+
+
+#: The shortest metrics key accepted, as the control plane's rule for its tokens and metrics_key:
+#: 16 characters (``openssl rand -hex 16`` gives 32), so it cannot be guessed by trying.
+MIN_KEY_CHARS = 16
+
+
+def _optional_key(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value and (len(value) < MIN_KEY_CHARS or value != value.strip()):
+        raise FieldProblem(
+            attribute.name,
+            f"must be empty or at least {MIN_KEY_CHARS} characters without blanks around them "
+            f"(got {len(value)}); make one with `openssl rand -hex 16`",
+        )
+
+
+def parse_static(entry: str) -> tuple[str, str]:
+    """``MODEL=URL`` -> (model, url); raises ValueError saying what to write instead."""
+    model, sep, url = entry.partition("=")
+    if not sep or not model or not url:
+        raise ValueError(f"{entry!r}: expected MODEL=URL, e.g. llama=http://10.0.0.7:8000")
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{entry!r}: {exc}") from None
+    return model, url
+
+
+def _static_entries(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
+    for entry in value:
+        try:
+            parse_static(entry)
+        except ValueError as exc:
+            raise FieldProblem(attribute.name, str(exc)) from None
+
+
+def _control_url(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not value:
+        return
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme.lower() not in ("http", "https") or not rest.strip("/"):
+        raise FieldProblem(
+            attribute.name,
+            f"{value!r} is not the control plane's URL; write http://HOST:PORT or https://HOST:PORT "
+            "(its agent endpoint, e.g. https://cp.example:7443)",
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RouterConfig:
+    """Every setting of one router. The defaults are the ones the control plane's embedded router
+    has always used; why each is what it is sits with its constant (``router.limits``,
+    ``router.stalls``, ``router.relay``) and in ``Router``'s docstring."""
+
+    #: The address clients reach the router on.
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8080, validator=_port)
+    #: SO_REUSEPORT on the listener: several router processes share one port on one host, and the
+    #: kernel spreads connections over them.
+    reuse_port: bool = False
+    #: Bearer keys clients must send; none: the router checks none.
+    api_keys: tuple[str, ...] = ()
+    #: ``GET /metrics`` wants this key as a bearer token; none: it answers loopback clients only.
+    metrics_key: str = attrs.field(default="", validator=_optional_key)
+    #: Routes of a router-only run: ``MODEL=URL`` entries (one model may have several).
+    static: tuple[str, ...] = attrs.field(default=(), validator=_static_entries)
+    #: Routes watched from the control plane at this URL (its agent endpoint).
+    control: str = attrs.field(default="", validator=_control_url)
+    #: The bearer token of the watch (a token with the admin API's read role).
+    control_token: str = ""
+    #: CA file that signs the control plane's certificate (https).
+    control_ca: Path | None = None
+    affinity_chars: int = attrs.field(default=256, validator=_at_least(0))
+    affinity_slack: int = attrs.field(default=4, validator=_at_least(0))
+    max_attempts: int = attrs.field(default=3, validator=_at_least(1))
+    eject_after: int = attrs.field(default=3, validator=_at_least(1))
+    eject_base: float = attrs.field(default=10.0, validator=_positive)
+    eject_max: float = attrs.field(default=300.0, validator=_positive)
+    connect_timeout: float = attrs.field(default=5.0, validator=_positive)
+    response_timeout: float = attrs.field(default=DEFAULT_RESPONSE_TIMEOUT, validator=_positive)
+    stream_idle_timeout: float = attrs.field(default=DEFAULT_STREAM_IDLE_TIMEOUT, validator=_positive)
+    pool_max_idle: int = attrs.field(default=1024, validator=_at_least(0))
+    pool_idle_timeout: float = attrs.field(default=4.0, validator=_positive)
+    header_timeout: float = attrs.field(default=DEFAULT_HEADER_TIMEOUT, validator=_positive)
+    client_idle_timeout: float = attrs.field(default=DEFAULT_CLIENT_IDLE_TIMEOUT, validator=_positive)
+    max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least(1))
+    max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
+    relay_coalesce_us: int = attrs.field(default=DEFAULT_COALESCE_US, validator=_coalesce)
+
+    def __attrs_post_init__(self) -> None:
+        if self.eject_base > self.eject_max:
+            raise FieldProblem(
+                "eject_base", f"({self.eject_base:g}) must not exceed eject_max ({self.eject_max:g})"
+            )
+
+    @property
+    def client_limits(self) -> ClientLimits:
+        return ClientLimits(
+            header_timeout=self.header_timeout,
+            idle_timeout=self.client_idle_timeout,
+            max_connections=self.max_connections,
+        )
+
+    def static_routes(self) -> list[tuple[str, str]]:
+        """The ``static`` entries as (model, url) pairs (checked when the config was made)."""
+        return [parse_static(entry) for entry in self.static]
+
+
+# -- the layers ----------------------------------------------------------------------------------
+
+#: One line per setting for ``--help``; the flag, the variable and the default are added from the
+#: field itself (``setting_help``), so the text cannot name a variable or default that is not the
+#: real one. A field without a line here fails ``build_parser``, and so the tests.
+FIELD_HELP: dict[str, str] = {
+    "host": "address to listen on",
+    "port": "port to listen on (0: the kernel picks)",
+    "reuse_port": "SO_REUSEPORT on the listener, so several router processes share one port",
+    "api_keys": "accepted bearer key; repeat (the variable, comma-separated, keeps keys out of ps)",
+    "metrics_key": "GET /metrics wants Authorization: Bearer KEY (the variable keeps it out of ps); "
+    "without one /metrics answers loopback clients only",
+    "static": "a replica, MODEL=URL; repeat (the variable: comma-separated); a router-only run",
+    "control": "watch routes from the control plane at this URL (its agent endpoint)",
+    "control_token": "bearer token for the route watch (the admin API's read role; use the variable)",
+    "control_ca": "CA file that signs the control plane's certificate",
+    "affinity_chars": "prompt prefix characters hashed for prefix affinity (0: no affinity)",
+    "affinity_slack": "outstanding requests the prefix's replica may have over the least loaded one",
+    "max_attempts": "replicas tried per request before a 502",
+    "eject_after": "consecutive failures that eject a replica",
+    "eject_base": "seconds of a first ejection (doubling per consecutive one)",
+    "eject_max": "longest ejection in seconds",
+    "connect_timeout": "seconds to connect to an engine",
+    "response_timeout": "the longest wait for an engine's first response byte, in seconds; past it "
+    "the client gets a 504 and the replica is ejected",
+    "stream_idle_timeout": "the longest silence of an engine once its response began, in seconds; "
+    "past it the stream ends with an error event and the replica is ejected",
+    "pool_max_idle": "idle keep-alive engine connections kept per engine",
+    "pool_idle_timeout": "seconds an idle engine connection is kept (below the engines' keep-alive)",
+    "header_timeout": "a request's head must arrive within this many seconds of its first byte "
+    "(slowloris clients are closed)",
+    "client_idle_timeout": "an idle keep-alive client connection is closed after this many seconds",
+    "max_connections": "client connections over this get a 503 and are closed",
+    "max_body_bytes": "the largest request body accepted",
+    "relay_coalesce_us": f"the relay pump's pause after each wake-up, 0 to {MAX_COALESCE_US} "
+    "microseconds (0: none): streamed tokens arriving together share a wake-up",
+}
+
+#: Settings given as a list: repeated flags (named in the singular), comma-separated variables.
+_LIST_KEYS = {"api_keys": "--api-key", "static": "--static"}
+#: Settings whose flag is a switch rather than a value.
+_SWITCH_KEYS = {"reuse_port"}
+#: Settings never shown in ``--help`` defaults or error messages (secrets).
+_SECRET_KEYS = {"api_keys", "metrics_key", "control_token"}
+
+
+#: The placeholder ``--help`` shows for a setting's value.
+_METAVARS = {
+    "host": "HOST",
+    "port": "PORT",
+    "api_keys": "KEY",
+    "metrics_key": "KEY",
+    "static": "MODEL=URL",
+    "control": "URL",
+    "control_token": "TOKEN",
+    "control_ca": "FILE",
+    "max_body_bytes": "BYTES",
+    "relay_coalesce_us": "US",
+}
+
+
+def _metavar(key: str) -> str:
+    return _METAVARS.get(key) or ("SECONDS" if _kind(key) == "float" else "N")
+
+
+def _field_names() -> list[str]:
+    return [a.name for a in attrs.fields(RouterConfig)]
+
+
+def _kind(key: str) -> str:
+    """The field's type as written in the class (``from __future__ import annotations``)."""
+    return str(attrs.fields_dict(RouterConfig)[key].type)
+
+
+def flag(key: str) -> str:
+    return _LIST_KEYS.get(key) or "--" + key.replace("_", "-")
+
+
+def variable(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def _default_text(key: str) -> str:
+    default = attrs.fields_dict(RouterConfig)[key].default
+    if default is None or default == "" or default == ():
+        return "none"
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return str(default)
+
+
+def setting_help(key: str) -> str:
+    """``--help``'s line for one setting: what it is, its variable and its default."""
+    return f"{FIELD_HELP[key]} (env {variable(key)}; default {_default_text(key)})"
+
+
+@attrs.frozen
+class Layered:
+    """Merged raw values and where each key's value came from."""
+
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+
+def _convert(key: str, value: Any, source: str) -> Any:
+    """One raw value (text from a flag or variable, or a TOML value) as the field's type; a
+    ConfigError names the key, the source and what was expected."""
+    kind = _kind(key)
+
+    def bad(expected: str) -> ConfigError:
+        shown = "(hidden)" if key in _SECRET_KEYS else repr(value)
+        return ConfigError(f"{key} (from {source}): expected {expected}, got {shown}")
+
+    if kind == "tuple[str, ...]":
+        if isinstance(value, str):
+            return tuple(p.strip() for p in value.split(",") if p.strip())
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise bad("a list of strings")
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+        if isinstance(value, str) and value.strip().lower() in words:
+            return words[value.strip().lower()]
+        raise bad("true or false")
+    if kind == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value):
+            return int(value)
+        raise bad("a whole number")
+    if kind == "float":
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise bad("a number")
+    if kind == "Path | None":
+        if isinstance(value, str) and value:
+            return Path(value)
+        raise bad("a file path")
+    if not isinstance(value, str):
+        raise bad("a string")
+    return value
+
+
+def _toml_line(text: str, key: str) -> int | None:
+    m = re.search(rf"^[ \t]*{re.escape(key)}[ \t]*=", text, re.MULTILINE)
+    return text.count("\n", 0, m.start()) + 1 if m else None
+
+
+def _unknown(key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _field_names(), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"{key} (from {source}): unknown setting; {hint}known: {', '.join(_field_names())}")
+
+
+def _from_file(path: Path) -> Layered:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    known = set(_field_names())
+    for key, value in data.items():
+        line = _toml_line(text, key)
+        source = f"{path} line {line}" if line else str(path)
+        if key not in known:
+            raise _unknown(key, source)
+        values[key] = _convert(key, value, source)
+        sources[key] = source
+    return Layered(values, sources)
+
+
+def _from_env(environ: Mapping[str, str]) -> Layered:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    known = set(_field_names())
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in known:
+            raise _unknown(key, name)
+        values[key] = _convert(key, text, name)
+        sources[key] = name
+    return Layered(values, sources)
+
+
+def _from_flags(ns: argparse.Namespace) -> Layered:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in _field_names():
+        given = getattr(ns, key, None)
+        if given is None:
+            continue
+        if key in _LIST_KEYS:
+            values[key] = tuple(given)
+        elif key in _SWITCH_KEYS:
+            values[key] = True
+        else:
+            values[key] = _convert(key, given, flag(key))
+        sources[key] = flag(key)
+    return Layered(values, sources)
+
+
+def _merge(*layers: Layered) -> Layered:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for layer in layers:
+        values.update(layer.values)
+        sources.update(layer.sources)
+    return Layered(values, sources)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line with status 2, like every other start-up mistake."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
+    missing = [k for k in _field_names() if k not in FIELD_HELP]
+    if missing:
+        raise RuntimeError(f"router.config.FIELD_HELP has no help for {', '.join(missing)}")
+    parser = _OneLineParser(
+        prog=prog,
+        description="llmgw's OpenAI-compatible router, as its own service: routes watched from the "
+        "control plane (--control URL) or a static endpoint list (--static MODEL=URL).",
+        epilog="Precedence: flags, then the environment (LLMGW_ROUTER_*), then the TOML file, then "
+        "the defaults. Every setting's file key is its variable's name after LLMGW_ROUTER_, in "
+        'lower case (api_keys = [...], static = ["MODEL=URL", ...]).',
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help=f"TOML config file (env {ENV_PREFIX}CONFIG; default {DEFAULT_CONFIG} when present)",
+    )
+    for key in _field_names():
+        text = setting_help(key).replace("%", "%%")
+        if key in _LIST_KEYS:
+            parser.add_argument(flag(key), dest=key, action="append", metavar=_metavar(key), help=text)
+        elif key in _SWITCH_KEYS:
+            parser.add_argument(flag(key), dest=key, action="store_const", const=True, help=text)
+        else:
+            parser.add_argument(flag(key), dest=key, metavar=_metavar(key), help=text)
+    return parser
+
+
+def _where(key: str, layered: Layered) -> str:
+    source = layered.sources.get(key)
+    return f"from {source}" if source else "by default"
+
+
+def structure(layered: Layered) -> RouterConfig:
+    """The config from merged values; a broken rule is a ConfigError naming the key and source."""
+    try:
+        return RouterConfig(**layered.values)
+    except FieldProblem as exc:
+        raise ConfigError(f"{exc.key} ({_where(exc.key, layered)}): {exc}") from None
+
+
+@attrs.frozen
+class Loaded:
+    """A loaded config and where each key set explicitly came from (keys left at their default
+    are absent), for start-up checks that must name the setting."""
+
+    config: RouterConfig
+    sources: dict[str, str]
+
+
+def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Loaded:
+    """Parse flags, read the environment and the TOML file, and make the config of a router that
+    runs alone: exactly one of ``control`` and ``static`` must be given."""
+    environ = os.environ if environ is None else environ
+    ns = build_parser().parse_args(argv)
+    path: Path | None = ns.config or (
+        Path(environ[ENV_PREFIX + "CONFIG"]) if environ.get(ENV_PREFIX + "CONFIG") else None
+    )
+    if path is None and DEFAULT_CONFIG.exists():
+        path = DEFAULT_CONFIG
+    file_layer = _from_file(path) if path else Layered({}, {})
+    layered = _merge(file_layer, _from_env(environ), _from_flags(ns))
+    config = structure(layered)
+    if bool(config.control) == bool(config.static):
+        if config.control:
+            raise ConfigError(
+                f"control ({_where('control', layered)}) and static ({_where('static', layered)}) "
+                "both give the routes; give exactly one of --control URL and --static MODEL=URL"
+            )
+        raise ConfigError(
+            f"no routes: give --control URL ({variable('control')}; routes watched from the control "
+            f"plane) or --static MODEL=URL ({variable('static')}; a router-only run)"
+        )
+    if not config.control:
+        for key in ("control_token", "control_ca"):
+            if key in layered.sources:
+                raise ConfigError(
+                    f"{key} ({_where(key, layered)}) applies to --control only, and none is given"
+                )
+    return Loaded(config, dict(layered.sources))
