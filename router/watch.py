@@ -64,7 +64,7 @@ class WatchedRoutes:
     """Routes watched from the control plane at ``url``; see the module docstring.
 
     ``token`` is sent as ``authorization: Bearer`` (one of the control plane's ``[api] read_tokens``);
-    ``ca`` verifies an ``https://`` control plane's certificate.
+    ``ca`` verifies an ``https://`` control plane's certificate; ``protocol`` is ``grpc`` or ``connect``.
     """
 
     def __init__(
@@ -76,13 +76,14 @@ class WatchedRoutes:
         first_wait: float = 10.0,
         backoff_base: float = 0.25,
         backoff_cap: float = 3.0,
+        protocol: str = "grpc",
     ) -> None:
         self.url = url
         self.first_wait = first_wait
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
         metadata = {"authorization": f"Bearer {token}"} if token else {}
-        self._options = CallOptions(ca=ca, metadata=metadata, user_agent="llmgw-router")
+        self._options = CallOptions(ca=ca, metadata=metadata, user_agent="llmgw-router", protocol=protocol)
         self._routes: Mapping[str, ModelRoutes] = MappingProxyType({})
         self.epoch = ""
         self.revision = 0

@@ -101,14 +101,15 @@ async def _until(what: str, check: Callable[[], object], timeout: float = 20) ->
     raise AssertionError(f"no {what} within {timeout:g} s")
 
 
-async def test_router_keeps_routes_while_the_control_plane_is_away_and_resyncs() -> None:
+@pytest.mark.parametrize("protocol", ["grpc", "connect"])
+async def test_router_keeps_routes_while_the_control_plane_is_away_and_resyncs(protocol: str) -> None:
     """WatchedRoutes (no token: a loopback peer) gets the table, follows a change, keeps the last
     table while the server is gone, and takes the new epoch's table once a server is back on the
     same port; a burst of changes reaches it as the latest table, not a queue of stale ones."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     watch = RouteWatch()
-    watched = WatchedRoutes(url, backoff_base=0.05, backoff_cap=0.3)
+    watched = WatchedRoutes(url, backoff_base=0.05, backoff_cap=0.3, protocol=protocol)
     async with trio.open_nursery() as nursery:
         server = await _serve(watch, port, nursery)
         watch.publish(_table("http://127.0.0.1:9001"))

@@ -1,7 +1,8 @@
 """A small gRPC client for server-streaming calls over HTTP/2 (h2c or TLS), on trio and ``h2``.
 
 The router's route watch uses it: one request message, then messages until the server ends the
-stream with a status. It is deliberately small: gRPC only (``application/grpc+proto``), identity
+stream with a status. It is deliberately small: gRPC (``application/grpc+proto``, the default) or
+Connect (``application/connect+proto``, for proxies that mangle trailers), identity
 encoding, one stream per connection, and every wait bounded (connect, the server's SETTINGS,
 keepalive PINGs that notice a black-holed control plane within seconds instead of TCP's minutes).
 
@@ -50,6 +51,8 @@ class CallOptions:
     #: Extra request headers (lower-case names), e.g. ``{"authorization": "Bearer ..."}``.
     metadata: Mapping[str, str] = attrs.field(factory=dict)
     user_agent: str = "llmgw"
+    #: ``grpc`` (status in trailers) or ``connect`` (status in an end-of-stream envelope).
+    protocol: str = attrs.field(default="grpc", validator=attrs.validators.in_(("grpc", "connect")))
 
 
 class RpcClientStream(H2Stream):
@@ -126,15 +129,20 @@ class ServerStreamCall:
 
     async def receive(self) -> bytes | None:
         """The next message, or ``None`` once the server ended the call with OK; raises otherwise."""
-        env = await self._st.receive_envelope()
-        if env is None:
-            error = self._st.final_status()
-            if error is not None:
-                raise error
-            return None
-        if env.end_stream or env.compressed:
-            raise RpcError(Code.INTERNAL, "server sent a compressed or end-of-stream envelope in gRPC")
-        return env.payload
+        while True:
+            env = await self._st.receive_envelope()
+            if env is None:
+                error = self._st.final_status()
+                if error is not None:
+                    raise error
+                return None
+            if env.compressed:
+                raise RpcError(Code.INTERNAL, "server sent a compressed message; none was negotiated")
+            if not env.end_stream:
+                return env.payload
+            if self._st.protocol != "connect":
+                raise RpcError(Code.INTERNAL, "end-of-stream envelope in a gRPC response")
+            self._st.on_connect_end(env.payload)
 
 
 def headers_of(raw: object) -> dict[str, str]:
@@ -215,7 +223,7 @@ async def server_stream(
     conn.initiate_connection()
     transport = H2Transport(stream, conn)
     stream_id = conn.get_next_available_stream_id()
-    st = RpcClientStream(transport, stream_id, options.max_message_size)
+    st = RpcClientStream(transport, stream_id, options.max_message_size, options.protocol)
     settled = trio.Event()
     # The reader and the keepalive never raise (they record failures on the transport), so whatever
     # leaves the nursery is the caller's or the setup's own error: it is raised as itself, not in an
@@ -240,8 +248,14 @@ async def server_stream(
                     (":scheme", "https" if secure else "http"),
                     (":path", path),
                     (":authority", f"{host}:{port}"),
-                    ("content-type", "application/grpc+proto"),
-                    ("te", "trailers"),
+                    *(
+                        [("content-type", "application/grpc+proto"), ("te", "trailers")]
+                        if options.protocol == "grpc"
+                        else [
+                            ("content-type", "application/connect+proto"),
+                            ("connect-protocol-version", "1"),
+                        ]
+                    ),
                     ("user-agent", options.user_agent),
                     *((k.lower(), v) for k, v in options.metadata.items()),
                 ]
