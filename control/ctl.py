@@ -490,11 +490,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[argparse.ArgumentParse
         "-p",
         "--previous",
         action="store_true",
-        help="the engine's output before its last (re)start, instead of the current run's",
+        help="the engine's output before its last (re)start, instead of the current run's (with -f: "
+        "printed once, nothing followed)",
     )
-    nodes = verb("nodes", "every node, its state and why, GPUs free/total, fabrics, engines (as before get)")
-    del nodes
-    verb("replicas", "every placed replica, one row per shard, where and in what state")
+    verb("nodes", "every node in one wide table: state and why, auth, GPUs free/total, fabrics, engines")
+    verb("replicas", "every shard of every replica in one table: node, state, GPUs, URL, rank, errors")
     verb("why", "why MODEL's replicas are placed where they are, or why they cannot run").add_argument(
         "model", help="a model name from llmgw.toml"
     )

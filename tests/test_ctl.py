@@ -5,6 +5,7 @@ help, version and exit codes. Plus the log-file functions behind ``-f`` and ``--
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -419,3 +420,19 @@ def test_read_after_follows_across_a_rotation_and_waits_for_whole_lines(tmp_path
     lines, offset = logfiles.read_after(log, 6)
     assert (lines, offset) == (["partial", "d"], 0)  # the rest of the rotated copy, then from 0
     assert logfiles.read_after(log, offset) == (["e"], 2)
+
+
+def test_every_verb_and_flag_has_help() -> None:
+    """Walk ctl's parser: each verb and each of its options and arguments says what it is for."""
+    from control.ctl import build_parser
+
+    parser, verbs = build_parser()
+    missing = []
+    for p in [parser, *verbs]:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{p.prog} {c.dest}" for c in action._choices_actions if not c.help]
+            elif not action.help or action.help == argparse.SUPPRESS:
+                missing.append(f"{p.prog} {'/'.join(action.option_strings) or action.dest}")
+    assert missing == []
+    assert {v.prog.split()[-1] for v in verbs} >= {"get", "describe", "logs", "drain", "reset", "token"}
