@@ -49,7 +49,7 @@ from control.placement import (
     place,
 )
 from control.query import ControlView, DrainRefused, JoinSecrets, engine_views
-from control.reconcile import Drain, Reconciler, Start, Stop
+from control.reconcile import Drain, Reconciler, Start, Stop, adopted_placements, drain_verdict
 from control.routes import route_table
 from control.routewatch import RouteWatch
 from control.state import STATE_FILE, StateFileError, StateSaver, read_state
@@ -298,29 +298,8 @@ class ControlPlane:
             known = ", ".join(sorted(self.fleet.nodes)) or "none"
             raise KeyError(f"no node {node_id!r}; known: {known}")
         plan = await self._plan_without(node_id)
-        lines: list[str] = []
-        refusals: list[str] = []
-        for model in sorted({r.model for r in self.placements if node_id in r.node_ids}):
-            replicas = [r for r in self.placements if r.model == model]
-            leaving = [r for r in replicas if node_id in r.node_ids]
-            moving = False
-            for replica in leaving:
-                new = plan.replica(replica.replica_id)
-                if new is not None:
-                    moving = True
-                    lines.append(f"{replica.replica_id} moves to {', '.join(new.node_ids)}")
-                else:
-                    why = plan.why(replica.replica_id)
-                    lines.append(f"{replica.replica_id} cannot move: {why.reason if why else 'not placed'}")
-            ready_here = any(self._ready(r) for r in leaving)
-            ready_elsewhere = any(self._ready(r) for r in replicas if node_id not in r.node_ids)
-            if ready_here and not ready_elsewhere and not moving:
-                unplaced = plan.unplaced_for(model)
-                reason = unplaced[0].reason if unplaced else "not placed"
-                refusals.append(
-                    f"{model} would have no ready replica: nowhere else can take "
-                    f"{', '.join(r.replica_id for r in leaving)} ({reason})"
-                )
+        verdict = drain_verdict(node_id, self.placements, plan, self.fleet.nodes)
+        lines, refusals = list(verdict.moves), verdict.refusals
         if refusals and not force:
             refused = DrainRefused(
                 f"drain of {node_id} refused: {'; '.join(refusals)}; "
@@ -336,15 +315,6 @@ class ControlPlane:
         await self.save()
         self.poke()
         return lines
-
-    def _ready(self, replica: ReplicaPlacement) -> bool:
-        """Every shard of the replica reports READY."""
-        for shard in replica.shards:
-            node = self.fleet.nodes.get(shard.node_id)
-            status = node.shards.get(shard.shard_id) if node else None
-            if status is None or status.state != State.READY:
-                return False
-        return True
 
     async def _plan_without(self, node_id: str) -> Plan:
         """The plan placement would make with ``node_id`` draining as well (nothing is changed)."""
@@ -425,35 +395,7 @@ class ControlPlane:
         )
 
     def _adopted(self) -> list[ReplicaPlacement]:
-        """Placements for live shards agents report that no placement knows (e.g. lost state file)."""
-        known = {(s.node_id, s.shard_id) for r in self.placements for s in r.shards}
-        by_replica: dict[str, list[ShardAssignment]] = {}
-        for node in self.fleet.nodes.values():
-            for st in node.shards.values():
-                adoptable = st.state in (State.STARTING, State.READY, State.UNHEALTHY)
-                if not adoptable or (node.node_id, st.shard_id) in known:
-                    continue
-                spec = st.spec
-                if spec is None or model_name_of(st.replica_id) not in self.models:
-                    continue
-                by_replica.setdefault(st.replica_id, []).append(
-                    ShardAssignment(
-                        shard_id=st.shard_id,
-                        node_id=node.node_id,
-                        gpu_indices=tuple(spec.gpu_indices),
-                        port=spec.http_port,
-                        node_rank=spec.node_rank,
-                        nnodes=max(spec.nnodes, 1),
-                        master_addr=spec.master_addr,
-                        master_port=spec.master_port,
-                    )
-                )
-        existing = {r.replica_id for r in self.placements}
-        return [
-            ReplicaPlacement(model_name_of(rid), rid, tuple(sorted(shards, key=lambda s: s.node_rank)))
-            for rid, shards in sorted(by_replica.items())
-            if rid not in existing
-        ]
+        return adopted_placements(self.placements, self.fleet.nodes, self.models)
 
     async def replan(self) -> Plan:
         """Place again, when any input changed. Placement is pure and its inputs are frozen values,

@@ -27,13 +27,13 @@ on the same input sends nothing new, so it can run on every change and on a time
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
 import schema
 from control.fleet import LIVE_SHARD_STATES, Node, NodeState
-from control.placement import Plan, ReplicaPlacement, ShardAssignment
+from control.placement import Plan, ReplicaPlacement, ShardAssignment, model_name_of
 
 State = schema.ShardState
 #: States in which an engine process runs (the agent reports it alive); never start a second one.
@@ -212,6 +212,88 @@ def _differs(running: schema.StartShard | None, wanted: schema.StartShard) -> bo
         or (running.nnodes, running.node_rank, running.master_addr, running.master_port)
         != (wanted.nnodes, wanted.node_rank, wanted.master_addr, wanted.master_port)
     )
+
+
+def adopted_placements(
+    placements: Sequence[ReplicaPlacement], nodes: Mapping[str, Node], models: Collection[str]
+) -> list[ReplicaPlacement]:
+    """Placements for the live shards agents report that no placement knows (a lost or older state
+    file), so that they are kept rather than started a second time: one per replica of a model in
+    the catalog, its shards in rank order, from the spec each engine runs with."""
+    known = {(s.node_id, s.shard_id) for r in placements for s in r.shards}
+    by_replica: dict[str, list[ShardAssignment]] = {}
+    for node in nodes.values():
+        for st in node.shards.values():
+            adoptable = st.state in (State.STARTING, State.READY, State.UNHEALTHY)
+            if not adoptable or (node.node_id, st.shard_id) in known:
+                continue
+            spec = st.spec
+            if spec is None or model_name_of(st.replica_id) not in models:
+                continue
+            by_replica.setdefault(st.replica_id, []).append(
+                ShardAssignment(
+                    shard_id=st.shard_id,
+                    node_id=node.node_id,
+                    gpu_indices=tuple(spec.gpu_indices),
+                    port=spec.http_port,
+                    node_rank=spec.node_rank,
+                    nnodes=max(spec.nnodes, 1),
+                    master_addr=spec.master_addr,
+                    master_port=spec.master_port,
+                )
+            )
+    existing = {r.replica_id for r in placements}
+    return [
+        ReplicaPlacement(model_name_of(rid), rid, tuple(sorted(shards, key=lambda s: s.node_rank)))
+        for rid, shards in sorted(by_replica.items())
+        if rid not in existing
+    ]
+
+
+@attrs.frozen
+class DrainVerdict:
+    """What draining a node would do (``drain_verdict``)."""
+
+    #: One line per replica on the node: where it moves, or why it cannot.
+    moves: tuple[str, ...]
+    #: One line per model the drain would leave with no ready replica; empty: the drain may go on.
+    refusals: tuple[str, ...]
+
+
+def drain_verdict(
+    node_id: str, placements: Sequence[ReplicaPlacement], plan: Plan, nodes: Mapping[str, Node]
+) -> DrainVerdict:
+    """Judge a drain of ``node_id`` before making it: ``plan`` is the plan placement makes with the
+    node draining, ``placements`` those of now.
+
+    A model is refused when a replica on the node is ready, none elsewhere is, and none of its
+    replicas on the node can move: the drain would stop its last serving engine with nothing to
+    take over (kubectl drain against a PodDisruptionBudget; the operator may force it).
+    """
+    moves: list[str] = []
+    refusals: list[str] = []
+    for model in sorted({r.model for r in placements if node_id in r.node_ids}):
+        replicas = [r for r in placements if r.model == model]
+        leaving = [r for r in replicas if node_id in r.node_ids]
+        moving = False
+        for replica in leaving:
+            new = plan.replica(replica.replica_id)
+            if new is not None:
+                moving = True
+                moves.append(f"{replica.replica_id} moves to {', '.join(new.node_ids)}")
+            else:
+                why = plan.why(replica.replica_id)
+                moves.append(f"{replica.replica_id} cannot move: {why.reason if why else 'not placed'}")
+        ready_here = any(_replica_ready(r, nodes) for r in leaving)
+        ready_elsewhere = any(_replica_ready(r, nodes) for r in replicas if node_id not in r.node_ids)
+        if ready_here and not ready_elsewhere and not moving:
+            unplaced = plan.unplaced_for(model)
+            reason = unplaced[0].reason if unplaced else "not placed"
+            refusals.append(
+                f"{model} would have no ready replica: nowhere else can take "
+                f"{', '.join(r.replica_id for r in leaving)} ({reason})"
+            )
+    return DrainVerdict(tuple(moves), tuple(refusals))
 
 
 def _replica_ready(replica: ReplicaPlacement, nodes: Mapping[str, Node]) -> bool:

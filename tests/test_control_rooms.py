@@ -486,3 +486,67 @@ def test_describe_documents_carry_the_transitions_where_they_happened(tmp_path: 
     ]
     with pytest.raises(ApiError, match="no model 'x' in the catalog; models: m"):
         model_doc(view, "x")
+
+
+# -- a drain, judged before it is made ---------------------------------------------------------------
+
+
+def test_drain_verdict_refuses_only_a_drain_that_stops_a_models_last_ready_engine() -> None:
+    from control.reconcile import drain_verdict
+
+    fleet = _fleet("n1", "n2")
+    here, there = _shard("m-r0", "n1", 8000), _shard("m-r1", "n2", 8000)
+    now = (ReplicaPlacement("m", "m-r0", (here,)), ReplicaPlacement("m", "m-r1", (there,)))
+    _report(fleet, here, "m-r0", State.READY)
+    nowhere = Unplaced("m", "m-r0", "0/2 nodes are available: 1 draining, 1 insufficient free GPUs", {})
+    stuck = Plan((now[1],), (nowhere,))
+
+    verdict = drain_verdict("n1", now, stuck, fleet.nodes)
+    assert verdict.moves == (
+        "m-r0 cannot move: 0/2 nodes are available: 1 draining, 1 insufficient free GPUs",
+    )
+    assert verdict.refusals == (
+        "m would have no ready replica: nowhere else can take m-r0 (0/2 nodes are available: 1 draining, "
+        "1 insufficient free GPUs)",
+    )
+    # Another ready replica elsewhere: the model keeps serving, so the drain may go on.
+    _report(fleet, there, "m-r1", State.READY)
+    assert drain_verdict("n1", now, stuck, fleet.nodes).refusals == ()
+    # Or the replica can move (its old engine serves until the new one is ready).
+    fleet.nodes["n2"].shards.clear()
+    moved = Plan((ReplicaPlacement("m", "m-r0", (_shard("m-r0", "n2", 8001),)), now[1]), ())
+    verdict = drain_verdict("n1", now, moved, fleet.nodes)
+    assert verdict == type(verdict)(("m-r0 moves to n2",), ())
+    # Nothing on the node: nothing to say.
+    assert drain_verdict("n9", now, moved, fleet.nodes) == type(verdict)((), ())
+
+
+def test_shards_no_placement_knows_are_adopted_not_started_again() -> None:
+    """A control plane without its state file: the engines the agents report become placements."""
+    from control.reconcile import adopted_placements
+
+    fleet = _fleet("n1", "n2")
+    rank0, rank1 = _shard("big-r0", "n1", 8000), _shard("big-r0", "n2", 8000)
+    for shard, rank in ((rank1, 1), (rank0, 0)):
+        fleet.shard_status(
+            shard.node_id,
+            schema.ShardStatus(
+                node_id=shard.node_id,
+                replica_id="big-r0",
+                shard_id=shard.shard_id,
+                state=State.READY if rank == 0 else State.STARTING,
+                spec=schema.StartShard(
+                    shard_id=shard.shard_id, http_port=8000, gpu_indices=[0], nnodes=2, node_rank=rank
+                ),
+            ),
+        )
+    _report(fleet, _shard("gone-r0", "n1", 8001), "gone-r0", State.READY)  # not in the catalog
+    _report(fleet, _shard("big-r1", "n2", 8002), "big-r1", State.STOPPED)  # not running
+    [adopted] = adopted_placements((), fleet.nodes, {"big"})
+    assert (adopted.model, adopted.replica_id) == ("big", "big-r0")
+    assert [(s.node_id, s.node_rank, s.nnodes, s.port) for s in adopted.shards] == [
+        ("n1", 0, 2, 8000),
+        ("n2", 1, 2, 8000),
+    ]
+    # Known to a placement already: nothing to adopt.
+    assert adopted_placements((adopted,), fleet.nodes, {"big"}) == []
