@@ -680,6 +680,11 @@ def ctl(argv: Sequence[str]) -> int:
         return 1
     except KeyboardInterrupt:
         return 0  # how a watch or a follow is ended
+    except BrokenPipeError:
+        # The reader went away (`ctl logs -f | head`): done, without a traceback, and without
+        # Python's own complaint when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def run_verb(api: Api, args: argparse.Namespace, http: dict[str, Any]) -> int:

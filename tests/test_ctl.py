@@ -306,6 +306,25 @@ def test_logs_follow_picks_up_new_lines_and_ctrl_c_is_0(node: Node) -> None:
     text = follow.text()
     assert [text.count(mark) for mark in marks] == [1, 1, 1], text  # each once, in order
     assert text.index(marks[0]) < text.index(marks[1]) < text.index(marks[2])
+    # `ctl logs -f | head -1`: the reader leaves, the next line ends ctl quietly with 0.
+    head = subprocess.Popen(
+        [sys.executable, "-m", "control", "ctl", "logs", shard, "-f", "--tail", "1", "--api", node.api],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert head.stdout is not None and head.stdout.readline()
+        head.stdout.close()
+        poll(
+            "ctl to notice its reader is gone",
+            lambda: httpx.get(f"{chat['url']}/gone-{TAG}", timeout=15) and head.poll() is not None,
+        )
+    finally:
+        if head.poll() is None:
+            head.kill()
+        head.wait(10)
+    assert head.stderr is not None
+    assert head.returncode == 0 and head.stderr.read() == b""
 
 
 def test_logs_previous_shows_the_engine_before_its_restart(node: Node) -> None:
