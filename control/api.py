@@ -2,7 +2,12 @@
 
 A small ASGI app served by hypercorn over HTTP/1.1 on the admin address (never on the agent port: the
 agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times are reported as
-"seconds ago" on the control plane's monotonic clock, the only clock liveness is judged on.
+"seconds ago" on the control plane's monotonic clock, the only clock liveness is judged on (events
+carry a UTC wall-clock time as well).
+
+It depends on ``control.query`` only, never on ``control.plane``: the documents are pure functions
+of a ``ControlView`` (what the plane knows at one instant), and the writes go through the
+``ControlQuery`` commands (cordon, uncordon, drain) and the join book.
 
     GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards,
                                     engines (each one's version, or why it is unknown)
@@ -262,7 +267,7 @@ def models_doc(view: ControlView) -> list[dict[str, Any]]:
     return out
 
 
-#: Events a node's or a model's document shows (the newest; ``control.events`` keeps 50 a subject).
+#: Events a node's or a model's document shows, the newest (``control.events`` keeps 50 a node, 20 a shard).
 EVENTS_SHOWN = 50
 
 

@@ -7,9 +7,9 @@ control plane's monotonic time (what "seconds ago" is computed from, as liveness
 clock stamp (what a person correlates with other logs). Nothing is written to disk: a restarted
 control plane starts a new history, as kubelet's events do.
 
-Bounds: ``per_subject`` events for each node and each shard, and ``max_subjects`` shards (the
-oldest-touched shard is forgotten first), so a fleet that churns shards for weeks holds a fixed
-amount.
+Bounds: ``per_node`` events for each node, ``per_shard`` for each shard, and ``max_shards`` shards
+(the least recently touched is forgotten first), so a fleet that churns shards for weeks holds a
+fixed amount: at most 200,000 shard events, some tens of MB, however it flaps.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-#: Events kept per node and per shard.
-PER_SUBJECT = 50
+#: Events kept per node (its liveness and operators' decisions: rare) and per shard.
+PER_NODE = 50
+PER_SHARD = 20
 #: Shards whose events are kept; beyond it the least recently touched is forgotten.
-MAX_SHARDS = 20_000
+MAX_SHARDS = 10_000
 #: The longest reason kept (agents' error texts are bounded too; this bounds what we add).
 MAX_REASON = 500
 
@@ -62,7 +63,8 @@ class Event:
 class EventLog:
     """The last events of every node and every shard (see the module docstring)."""
 
-    per_subject: int = PER_SUBJECT
+    per_node: int = PER_NODE
+    per_shard: int = PER_SHARD
     max_shards: int = MAX_SHARDS
     _nodes: dict[str, collections.deque[Event]] = attrs.field(factory=dict)
     _shards: collections.OrderedDict[str, collections.deque[Event]] = attrs.field(
@@ -79,11 +81,11 @@ class EventLog:
         reason = event.reason if len(event.reason) <= MAX_REASON else event.reason[: MAX_REASON - 3] + "..."
         event = attrs.evolve(event, reason=reason, seq=self._seq)
         if not event.shard_id:
-            self._nodes.setdefault(event.node_id, collections.deque(maxlen=self.per_subject)).append(event)
+            self._nodes.setdefault(event.node_id, collections.deque(maxlen=self.per_node)).append(event)
         else:
             shard = self._shards.get(event.shard_id)
             if shard is None:
-                shard = self._shards[event.shard_id] = collections.deque(maxlen=self.per_subject)
+                shard = self._shards[event.shard_id] = collections.deque(maxlen=self.per_shard)
                 while len(self._shards) > self.max_shards:
                     gone, _ = self._shards.popitem(last=False)
                     self._replicas.pop(gone, None)
@@ -111,4 +113,4 @@ class EventLog:
         return tuple(sid for sid, rid in self._replicas.items() if replica_ids(rid))
 
 
-__all__ = ["MAX_SHARDS", "PER_SUBJECT", "Event", "EventLog", "Kind"]
+__all__ = ["MAX_SHARDS", "PER_NODE", "PER_SHARD", "Event", "EventLog", "Kind"]

@@ -395,7 +395,7 @@ def test_the_api_documents_are_built_from_a_view_alone() -> None:
 def test_the_event_log_is_bounded_per_subject_and_in_shards() -> None:
     from control.events import Event, EventLog, Kind
 
-    log = EventLog(per_subject=3, max_shards=2)
+    log = EventLog(per_node=3, per_shard=3, max_shards=2)
     for i in range(5):
         log.record(Event(Kind.NODE, float(i), 1e9 + i, "n1", new=f"s{i}"))
     assert [e.new for e in log.for_node("n1")] == ["s2", "s3", "s4"]
