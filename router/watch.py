@@ -83,7 +83,13 @@ class WatchedRoutes:
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
         metadata = {"authorization": f"Bearer {token}"} if token else {}
-        self._options = CallOptions(ca=ca, metadata=metadata, user_agent="llmgw-router", protocol=protocol)
+        self._options = CallOptions(
+            ca=ca,
+            metadata=metadata,
+            user_agent="llmgw-router",
+            protocol=protocol,
+            port_hint="a router's --control is the control plane's [listen] agents address",
+        )
         self._routes: Mapping[str, ModelRoutes] = MappingProxyType({})
         self.epoch = ""
         self.revision = 0

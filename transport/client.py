@@ -51,6 +51,9 @@ class CallOptions:
     #: Extra request headers (lower-case names), e.g. ``{"authorization": "Bearer ..."}``.
     metadata: Mapping[str, str] = attrs.field(factory=dict)
     user_agent: str = "llmgw"
+    #: Which address the caller should have used, for the errors of a connection that reached
+    #: something else (the router's or the admin API's port, say).
+    port_hint: str = "use the server's HTTP/2 (gRPC) address"
     #: ``grpc`` (status in trailers) or ``connect`` (status in an end-of-stream envelope).
     protocol: str = attrs.field(default="grpc", validator=attrs.validators.in_(("grpc", "connect")))
 
@@ -180,7 +183,139 @@ async def _connect(host: str, port: int, secure: bool, options: CallOptions) -> 
         raise ConnectionLost(f"cannot connect to {host}:{port}: {cause}") from exc
 
 
-async def _read_loop(transport: H2Transport, st: RpcClientStream, settled: trio.Event) -> None:
+def diagnose_answer(first: bytes, *, tls_expected: bool, port_hint: str) -> str | None:
+    """What the first bytes a server sent say about a likely mistake, or ``None`` if they fit.
+
+    ``tls_expected``: the bytes are the raw answer to our TLS ClientHello (not the HTTP/2 bytes
+    inside a TLS connection, nor a plaintext connection's). The usual mistakes: a plaintext URL for a TLS port, a TLS URL
+    for a plaintext port, and a client pointed at the router or the admin API (HTTP/1.1);
+    ``port_hint`` says which address the caller should have used.
+    """
+    if first.startswith(b"HTTP/1."):
+        line = first.split(b"\r\n", 1)[0]
+        return (
+            f"answered with HTTP/1.1 ({peer_text(line, 64)}): is this the router or admin port? {port_hint}"
+        )
+    if len(first) >= 2 and first[0] in (0x15, 0x16) and first[1] == 0x03:
+        if tls_expected:
+            return None
+        return "answered with TLS: the port expects TLS; use an https:// (or wss://) server URL"
+    if (
+        tls_expected
+        and len(first) >= 9
+        and first[3] == 0x04
+        and first[4] in (0, 1)
+        and not first[5:9].strip(b"\0")
+    ):
+        # A plaintext HTTP/2 SETTINGS frame (type 4, stream 0) where a TLS record was expected.
+        return (
+            "answered in plaintext HTTP/2: the port does not use TLS; use an http:// server URL "
+            "(or configure TLS on the control plane)"
+        )
+    return None
+
+
+async def await_server_settings(
+    transport: H2Transport, where: str, secure: bool, timeout: float, port_hint: str
+) -> None:
+    """Send our connection preface and SETTINGS, then wait for the server's SETTINGS.
+
+    Nothing else leaves before the server has spoken HTTP/2 (and, with TLS, after a verified
+    handshake): the request headers carry the node's metadata and the Register its inventory, and
+    neither is for a peer that has not shown it is an HTTP/2 server. Waiting also tells the usual
+    wrong-port mistakes apart by what answered (:func:`diagnose_answer`), so the caller's reconnect
+    line names the mistake instead of a protocol error. Bounded by ``timeout`` seconds.
+    """
+    await transport.flush()  # the preface and our SETTINGS: h2 has queued nothing else yet
+    unanswered = (
+        f"{where} did not answer our HTTP/2 connection preface within {timeout:g} s (nothing else was "
+        "sent): is it an llmgw control plane? "
+        + ("" if secure else "A TLS port waits silently for a handshake: use an https:// URL there; ")
+        + port_hint
+    )
+    head = b""
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                data = bytes(await transport.stream.receive_some(65536))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                cause = exc.__cause__ or exc
+                raise transport.fail(
+                    ConnectionLost(
+                        f"connection to {where} lost before it answered: {cause}{closed_hint(secure, port_hint)}"
+                    )
+                ) from exc
+            if not data:
+                hint = diagnose_answer(head, tls_expected=False, port_hint=port_hint) if head else None
+                raise transport.fail(
+                    ConnectionLost(
+                        f"{where} closed the connection"
+                        + (
+                            f"; it {hint}"
+                            if hint
+                            else f" before answering HTTP/2{closed_hint(secure, port_hint)}"
+                        )
+                    )
+                )
+            if len(head) < 9:
+                # Judge the first frame header before h2 sees it: h2 would call an HTTP/1.1 answer
+                # or a TLS alert a protocol error, and the mistake behind it would go unnamed.
+                head += data
+                hint = diagnose_answer(head, tls_expected=False, port_hint=port_hint)
+                if hint is None and len(head) >= 9 and head[3] != 0x04:
+                    hint = (
+                        f"answered with something that is not HTTP/2 ({peer_text(head[:32])}): "
+                        f"is it an llmgw control plane? {port_hint}"
+                    )
+                if hint is not None:
+                    raise transport.fail(ConnectionLost(f"{where} {hint}"))
+                if len(head) < 9:
+                    continue  # too little to judge yet; h2 gets these bytes with the rest
+                data = head
+            try:
+                events = transport.feed(data)
+            except h2.exceptions.ProtocolError as exc:
+                raise transport.fail(
+                    ConnectionLost(f"{where} answered with an HTTP/2 protocol error: {exc}")
+                ) from exc
+            settled = False
+            for event in events:
+                if isinstance(event, h2.events.RemoteSettingsChanged):
+                    settled = True
+                transport.handle_common(event)
+            if transport.error is not None:
+                raise transport.error
+            await transport.flush()  # our SETTINGS ACK
+            if not settled:
+                continue
+            if transport.conn.remote_settings.max_concurrent_streams == 0:
+                # hypercorn's HTTP/1.1-only configuration (the admin API) answers the preface so.
+                raise transport.fail(
+                    ConnectionLost(
+                        f"{where} speaks HTTP/2 but takes no streams (SETTINGS_MAX_CONCURRENT_STREAMS "
+                        f"0): is this the admin API port? {port_hint}"
+                    )
+                )
+            return
+    raise transport.fail(PeerUnresponsive(unanswered))
+
+
+def closed_hint(secure: bool, port_hint: str) -> str:
+    """What a connection closed before it answered most likely means."""
+    if secure:
+        # TLS 1.3 checks our certificate after our side of the handshake is done: a server that
+        # refuses it closes the connection at its first read.
+        return (
+            "; the server closed the TLS connection before answering: it may require a client "
+            "certificate (mutual TLS) that was not presented or that its CA does not trust"
+        )
+    return (
+        ": is it a TLS port (use an https:// URL) or something other than an llmgw control plane? "
+        + port_hint
+    )
+
+
+async def _read_loop(transport: H2Transport, st: RpcClientStream) -> None:
     """The connection's only reader; it records failures on the transport and never raises."""
     while transport.error is None:
         try:
@@ -192,8 +327,6 @@ async def _read_loop(transport: H2Transport, st: RpcClientStream, settled: trio.
             await transport.abort()
             return
         for event in events:
-            if isinstance(event, h2.events.RemoteSettingsChanged):
-                settled.set()
             if isinstance(event, h2.events.ResponseReceived) and event.stream_id == st.stream_id:
                 st.on_response(headers_of(event.headers))
             elif isinstance(event, h2.events.TrailersReceived) and event.stream_id == st.stream_id:
@@ -224,25 +357,17 @@ async def server_stream(
     transport = H2Transport(stream, conn)
     stream_id = conn.get_next_available_stream_id()
     st = RpcClientStream(transport, stream_id, options.max_message_size, options.protocol)
-    settled = trio.Event()
     # The reader and the keepalive never raise (they record failures on the transport), so whatever
     # leaves the nursery is the caller's or the setup's own error: it is raised as itself, not in an
     # ExceptionGroup, so the caller can catch RpcError and TransportError.
     caught: BaseException | None = None
     try:
+        await await_server_settings(
+            transport, f"{host}:{port}", secure, options.connect_timeout, options.port_hint
+        )
         async with trio.open_nursery() as nursery:
             try:
-                nursery.start_soon(_read_loop, transport, st, settled)
-                await transport.flush()
-                with trio.move_on_after(options.connect_timeout):
-                    await settled.wait()
-                if transport.error is not None:
-                    raise transport.error
-                if not settled.is_set():
-                    raise PeerUnresponsive(
-                        f"{host}:{port} did not answer the HTTP/2 connection preface within "
-                        f"{options.connect_timeout:g} s (nothing else was sent)"
-                    )
+                nursery.start_soon(_read_loop, transport, st)
                 headers = [
                     (":method", "POST"),
                     (":scheme", "https" if secure else "http"),

@@ -51,7 +51,7 @@ from schema.rpc import (
     RpcError,
     decode_connect_end_stream,
 )
-from transport.client import RpcClientStream, headers_of
+from transport.client import RpcClientStream, await_server_settings, diagnose_answer, headers_of
 from transport.h2io import (
     ConnectionLost,
     GoAwayReceived,
@@ -172,38 +172,6 @@ async def _connect_tcp(host: str, port: int, timeout: float) -> trio.SocketStrea
 AGENT_PORT_HINT = "agents connect to the control plane's [listen] agents address"
 
 
-def diagnose_answer(first: bytes, *, tls_expected: bool) -> str | None:
-    """What the first bytes a server sent say about a likely mistake, or ``None`` if they fit.
-
-    ``tls_expected``: the bytes are the raw answer to our TLS ClientHello (not the HTTP/2 bytes
-    inside a TLS connection, nor a plaintext connection's). The usual mistakes: a plaintext URL for a TLS port, a TLS URL
-    for a plaintext port, and an agent pointed at the router or the admin API (HTTP/1.1).
-    """
-    if first.startswith(b"HTTP/1."):
-        line = first.split(b"\r\n", 1)[0]
-        return (
-            f"answered with HTTP/1.1 ({peer_text(line, 64)}): is this the router or admin port? "
-            f"{AGENT_PORT_HINT}"
-        )
-    if len(first) >= 2 and first[0] in (0x15, 0x16) and first[1] == 0x03:
-        if tls_expected:
-            return None
-        return "answered with TLS: the port expects TLS; use an https:// (or wss://) server URL"
-    if (
-        tls_expected
-        and len(first) >= 9
-        and first[3] == 0x04
-        and first[4] in (0, 1)
-        and not first[5:9].strip(b"\0")
-    ):
-        # A plaintext HTTP/2 SETTINGS frame (type 4, stream 0) where a TLS record was expected.
-        return (
-            "answered in plaintext HTTP/2: the port does not use TLS; use an http:// server URL "
-            "(or configure TLS on the control plane)"
-        )
-    return None
-
-
 class _Recording(trio.abc.Stream):
     """The TCP stream under a TLS one, keeping the first bytes the server sent, so that a failed
     handshake can say what answered instead of TLS (see :func:`diagnose_answer`)."""
@@ -240,7 +208,7 @@ async def _tls_handshake(
     except trio.BrokenResourceError as exc:
         await trio.aclose_forcefully(tcp)
         cause = exc.__cause__ or exc
-        hint = diagnose_answer(recording.first, tls_expected=True)
+        hint = diagnose_answer(recording.first, tls_expected=True, port_hint=AGENT_PORT_HINT)
         raise ConnectionLost(
             f"TLS handshake with {host} failed: {cause}" + (f"; the server {hint}" if hint else "")
         ) from exc
@@ -320,7 +288,9 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
     conn.initiate_connection()
     transport = H2Transport(stream, conn)
     try:
-        await _await_server_settings(transport, f"{host}:{port}", secure, options.settings_timeout)
+        await await_server_settings(
+            transport, f"{host}:{port}", secure, options.settings_timeout, AGENT_PORT_HINT
+        )
         stream_id = conn.get_next_available_stream_id()
         content_type = "application/grpc+proto" if options.protocol == "grpc" else "application/connect+proto"
         headers = [
@@ -355,99 +325,6 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
                         await transport.goaway(ErrorCodes.NO_ERROR)
     finally:
         await trio.aclose_forcefully(stream)
-
-
-async def _await_server_settings(transport: H2Transport, where: str, secure: bool, timeout: float) -> None:
-    """Send our connection preface and SETTINGS, then wait for the server's SETTINGS.
-
-    Nothing else leaves before the server has spoken HTTP/2 (and, with TLS, after a verified
-    handshake): the request headers carry the node's metadata and the Register its inventory, and
-    neither is for a peer that has not shown it is an HTTP/2 server. Waiting also tells the usual
-    wrong-port mistakes apart by what answered (:func:`diagnose_answer`), so the agent's reconnect
-    line names the mistake instead of a protocol error. Bounded by ``timeout`` seconds.
-    """
-    await transport.flush()  # the preface and our SETTINGS: h2 has queued nothing else yet
-    unanswered = (
-        f"{where} did not answer our HTTP/2 connection preface within {timeout:g} s (nothing else was "
-        "sent): is it an llmgw control plane? "
-        + ("" if secure else "A TLS port waits silently for a handshake: use an https:// URL there; ")
-        + AGENT_PORT_HINT
-    )
-    head = b""
-    with trio.move_on_after(timeout):
-        while True:
-            try:
-                data = bytes(await transport.stream.receive_some(65536))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                cause = exc.__cause__ or exc
-                raise transport.fail(
-                    ConnectionLost(
-                        f"connection to {where} lost before it answered: {cause}{_closed_hint(secure)}"
-                    )
-                ) from exc
-            if not data:
-                hint = diagnose_answer(head, tls_expected=False) if head else None
-                raise transport.fail(
-                    ConnectionLost(
-                        f"{where} closed the connection"
-                        + (f"; it {hint}" if hint else f" before answering HTTP/2{_closed_hint(secure)}")
-                    )
-                )
-            if len(head) < 9:
-                # Judge the first frame header before h2 sees it: h2 would call an HTTP/1.1 answer
-                # or a TLS alert a protocol error, and the mistake behind it would go unnamed.
-                head += data
-                hint = diagnose_answer(head, tls_expected=False)
-                if hint is None and len(head) >= 9 and head[3] != 0x04:
-                    hint = (
-                        f"answered with something that is not HTTP/2 ({peer_text(head[:32])}): "
-                        f"is it an llmgw control plane? {AGENT_PORT_HINT}"
-                    )
-                if hint is not None:
-                    raise transport.fail(ConnectionLost(f"{where} {hint}"))
-                if len(head) < 9:
-                    continue  # too little to judge yet; h2 gets these bytes with the rest
-                data = head
-            try:
-                events = transport.feed(data)
-            except h2.exceptions.ProtocolError as exc:
-                raise transport.fail(
-                    ConnectionLost(f"{where} answered with an HTTP/2 protocol error: {exc}")
-                ) from exc
-            settled = False
-            for event in events:
-                if isinstance(event, h2.events.RemoteSettingsChanged):
-                    settled = True
-                transport.handle_common(event)
-            if transport.error is not None:
-                raise transport.error
-            await transport.flush()  # our SETTINGS ACK
-            if not settled:
-                continue
-            if transport.conn.remote_settings.max_concurrent_streams == 0:
-                # hypercorn's HTTP/1.1-only configuration (the admin API) answers the preface so.
-                raise transport.fail(
-                    ConnectionLost(
-                        f"{where} speaks HTTP/2 but takes no streams (SETTINGS_MAX_CONCURRENT_STREAMS "
-                        f"0): is this the admin API port? {AGENT_PORT_HINT}"
-                    )
-                )
-            return
-    raise transport.fail(PeerUnresponsive(unanswered))
-
-
-def _closed_hint(secure: bool) -> str:
-    if secure:
-        # TLS 1.3 checks our certificate after our side of the handshake is done: a server that
-        # refuses it closes the connection at its first read.
-        return (
-            "; the server closed the TLS connection before answering: it may require a client "
-            "certificate (mutual TLS) that was not presented or that its CA does not trust"
-        )
-    return (
-        ": is it a TLS port (use an https:// URL) or something other than an llmgw control plane? "
-        + AGENT_PORT_HINT
-    )
 
 
 async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
