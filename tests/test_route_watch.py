@@ -229,3 +229,28 @@ def test_without_tokens_only_loopback_peers_may_watch() -> None:
         with pytest.raises(RpcError) as info:
             guarded.authorize(peer)
         assert info.value.code is Code.UNAUTHENTICATED
+
+
+async def test_a_control_url_naming_an_http1_port_says_which_address_to_use(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--control pointed at the router's or the admin API's port (HTTP/1.1): the router's one line
+    names what answered and the address it should have used, and nothing but the HTTP/2 preface and
+    SETTINGS was sent there (no token)."""
+    received = bytearray()
+
+    async def http1(stream: trio.SocketStream) -> None:
+        received.extend(await stream.receive_some(4096))
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, http1, 0)
+        port = listeners[0].socket.getsockname()[1]
+        watched = WatchedRoutes(f"http://127.0.0.1:{port}", token="secret-token", first_wait=0.5)
+        with caplog.at_level("WARNING", logger="llmgw.router.watch"):
+            await nursery.start(watched.run)
+        nursery.cancel_scope.cancel()
+    line = next(r.getMessage() for r in caplog.records if "no table yet" in r.getMessage())
+    assert "answered with HTTP/1.1" in line and "--control is the control plane's [listen] agents" in line
+    assert received.startswith(b"PRI * HTTP/2.0") and b"secret-token" not in received
