@@ -269,7 +269,7 @@ def describe_node(node: dict[str, Any]) -> str:
     if node["history"]:
         rows = [
             [f"{_age(h['at_s_ago'])} ago", h["from"] or "-", h["to"], h["reason"] or "-"]
-            for h in reversed(node["history"])
+            for h in node["history"]  # oldest first, as the event log's
         ]
         out += ["  " + line for line in table(rows, ["WHEN", "FROM", "TO", "REASON"]).splitlines()]
     return "\n".join(out)

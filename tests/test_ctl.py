@@ -254,22 +254,20 @@ def test_describe_node_and_model(node: Node) -> None:
     assert "Fabrics:       ib-a" in out
     assert f"  {chat['shard_id']}" in out and CHAT in out  # its shards, by id and model
     events = out.split("Events:\n", 1)[1]
-    if httpx.get(f"{node.api}/api/nodes/gpu07", timeout=15).status_code == 200:
-        # The control plane's event log: the node's liveness, the commands sent, the shard's states.
-        (event,) = [e for e in columns(events) if e["OBJECT"] == chat["shard_id"] and e["KIND"] == "command"]
-        assert event["CHANGE"] == "start" and event["REASON"] == "StartShard sent", events
-        assert any(
-            e["OBJECT"] == chat["shard_id"] and e["CHANGE"] == "starting -> ready" for e in columns(events)
-        ), events
-    else:  # an API without the event log: the node's own state history stands in
-        assert columns(events)[0]["TO"] == "ready", events
+    # The control plane's event log: the node's liveness, the commands sent, the shard's states.
+    (event,) = [e for e in columns(events) if e["OBJECT"] == chat["shard_id"] and e["KIND"] == "command"]
+    assert event["CHANGE"] == "start" and event["REASON"] == "StartShard sent", events
+    assert any(
+        e["OBJECT"] == chat["shard_id"] and e["CHANGE"] == "starting -> ready" for e in columns(events)
+    ), events
+    assert columns(events)[0]["KIND"] == "node" and columns(events)[0]["CHANGE"] == "ready", events
     model = ctl("describe", "model", CHAT, "--api", node.api)
     assert model.returncode == 0, model.stderr
     assert "Replicas:      1 ready, 1 placed, 1 wanted" in model.stdout
     assert f"    {chat['shard_id']}  ready  on gpu07 GPUs - pid {chat['pid']}  {chat['url']}" in model.stdout
-    if "Events:\n" in model.stdout:  # served with the event log: this model's shards only
-        objects = {e["OBJECT"] for e in columns(model.stdout.split("Events:\n", 1)[1])}
-        assert objects == {chat["shard_id"]}, model.stdout
+    # This model's shards' events only.
+    objects = {e["OBJECT"] for e in columns(model.stdout.split("Events:\n", 1)[1])}
+    assert objects == {chat["shard_id"]}, model.stdout
     huge = ctl("describe", "model", HUGE, "--api", node.api)
     assert huge.returncode == 0, huge.stderr
     assert "Replicas:      0 ready, 0 placed, 1 wanted" in huge.stdout
@@ -455,3 +453,45 @@ def test_every_verb_and_flag_has_help() -> None:
                 missing.append(f"{p.prog} {'/'.join(action.option_strings) or action.dest}")
     assert missing == []
     assert {v.prog.split()[-1] for v in verbs} >= {"get", "describe", "logs", "drain", "reset", "token"}
+
+
+def test_describe_node_from_an_api_without_events_shows_its_state_history() -> None:
+    """A control plane older than the event log (no ``/api/nodes/NODE``): ``describe`` builds the
+    node from the list documents, and the node's own state history stands in for its events."""
+    from control.ctl import describe_node
+
+    node = {
+        "node_id": "gpu07",
+        "state": "ready",
+        "draining": False,
+        "cordoned": False,
+        "since_s": 3.0,
+        "reason": "heard from again",
+        "connected": True,
+        "heartbeat_age_s": 0.2,
+        "mgmt_addr": "10.0.0.7",
+        "auth": "credential",
+        "gpus": 8,
+        "gpus_free": 6,
+        "gpu_model": "H100",
+        "fabrics": ["ib-a"],
+        "labels": {"rack": "r1"},
+        "engines": [{"engine": "vllm", "version": "0.18.0", "error": ""}],
+        "discovery_error": "",
+        "shards": [],
+        "history": [
+            {"at_s_ago": 90.0, "from": "", "to": "ready", "reason": "registered"},
+            {"at_s_ago": 10.0, "from": "ready", "to": "unreachable", "reason": "no heartbeat for 15 s"},
+            {"at_s_ago": 3.0, "from": "unreachable", "to": "ready", "reason": "heard from again"},
+        ],
+        "replicas": [],
+    }
+    out = describe_node(node)
+    assert "GPUs:          2/8 in use (H100)" in out and "Labels:        rack=r1" in out
+    events = columns(out.split("Events:\n", 1)[1])
+    assert [(e["FROM"], e["TO"]) for e in events] == [
+        ("-", "ready"),
+        ("ready", "unreachable"),
+        ("unreachable", "ready"),
+    ]
+    assert events[1]["REASON"] == "no heartbeat for 15 s" and events[2]["WHEN"] == "3s ago"
