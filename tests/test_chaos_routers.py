@@ -247,6 +247,7 @@ def test_two_routers_serve_through_a_control_plane_kill_and_resync(fleet: dict[s
         for load in loads:
             load.stop()
     for i, load in enumerate(loads):
+        print(f"router{i}: {load.ok} streamed completions, {len(load.failures)} failed")
         assert not load.failures, (
             f"router{i}: {len(load.failures)} failed of {load.ok + len(load.failures)}: {load.failures[:5]}"
         )
