@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,6 +29,10 @@ from agent.supervise import LivenessProbe, Supervisor, procfs
 from telemetry.http import Listen, Response, parse_listen, serve
 from telemetry.logs import JsonFormatter, LogSettings, LogSettingsError, log_settings, setup_logging
 from tests.fleet_procs import free_port, one_node, poll
+
+# Polled (``apoll``) rather than woken by ``any_change``: the values are set by the metrics watcher,
+# another task woken by the same event, which may not have run yet when this one wakes.
+from tests.support import apoll as until
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -243,16 +246,6 @@ def value(metrics: AgentMetrics, name: str, **labels: str) -> float:
     found = metrics.registry.get_sample_value(name, labels)
     assert found is not None, name
     return found
-
-
-async def until(what: str, check: Callable[[], bool], timeout: float = 30) -> None:
-    """Poll ``check`` on the trio clock, bounded, naming what it waited for. Polled rather than
-    woken by ``any_change``: the values are set by the metrics watcher, another task woken by the
-    same event, which may not have run yet when this one wakes."""
-    with trio.move_on_after(timeout) as scope:
-        while not check():  # noqa: ASYNC110
-            await trio.sleep(0.05)
-    assert not scope.cancelled_caught, f"timed out after {timeout} s waiting for {what}"
 
 
 def end_engines(supervisor: Supervisor) -> None:

@@ -4,7 +4,6 @@ the router's side (``router.watch.WatchedRoutes``) against the server in this pr
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from router.routes import ModelRoutes, Upstream
 from router.watch import WatchedRoutes
 from schema.rpc import Code, RpcError
 from tests.fleet_procs import free_port, one_node
+from tests.support import apoll as _until  # another task's state, with no event to wait on
 
 TOKEN = "route-watch-read-token-0123456789"
 
@@ -88,17 +88,6 @@ async def _serve(watch: RouteWatch, port: int, nursery: trio.Nursery) -> trio.Ca
 
 async def _no_agents(st: object) -> None:
     raise AssertionError("no agent streams in this test")
-
-
-async def _until(what: str, check: Callable[[], object], timeout: float = 20) -> None:
-    """Poll ``check`` until it holds; fails naming ``what`` after ``timeout`` seconds."""
-    with trio.move_on_after(timeout):
-        while True:
-            if check():
-                return
-            # Polled (a deadline, no fixed wait): the state is another task's, with no event to wait on.
-            await trio.sleep(0.02)
-    raise AssertionError(f"no {what} within {timeout:g} s")
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "connect"])
