@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import collections
 import http
+import json
 import math
 import os
 import select
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 import httptools
@@ -48,6 +50,17 @@ from router.relay import RECEIVE_SIZE
 
 #: Largest request head (request line and headers) the router reads.
 MAX_REQUEST_HEAD = 64 * 1024
+
+#: Deepest nesting of arrays and objects a JSON request body may have. Python's parser recurses
+#: once per level and would fail near its recursion limit (about 1,000, less the stack in use) with
+#: a RecursionError, which is no answer to a malformed body; a fixed bound is one the client can be
+#: told. OpenAI requests nest a few levels (tools' JSON schemas a few dozen), and 128 is also
+#: serde_json's default limit, which Rust-based engines and gateways apply.
+MAX_JSON_DEPTH = 128
+
+#: Brackets become parentheses, quotes stay, and every other byte goes (``bytes.translate``).
+_BRACKETS = bytes.maketrans(b"[{]}", b"(())")
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
 
 #: ``RequestReader.phase``: nothing of a next request read, a head in progress, a body in progress.
 IDLE = "idle"
@@ -388,3 +401,48 @@ def end_of_head(headers: Iterable[tuple[bytes, bytes]], *, close: bool) -> bytes
 def chunk(data: bytes) -> bytes:
     """``data`` as one chunk of a chunked body (empty data would end the body: the caller skips it)."""
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def json_depth(body: bytes) -> int:
+    """How deep a parser descends into ``body``'s arrays and objects (brackets inside strings do not
+    count), or an upper bound of it: a body with no more opening brackets than ``MAX_JSON_DEPTH``
+    answers their count, and a malformed one may answer more than its depth, never less.
+
+    Every step is a C loop over bytes: the escapes that could hide a quote go (an escaped
+    backslash, then an escaped quote), then every byte but brackets and quotes; splitting on the
+    quotes drops what strings held; then each pass deletes the innermost pairs, one level a pass,
+    and at most ``MAX_JSON_DEPTH + 1`` passes run. Openers left unclosed count too: a parser
+    descends into them before it finds the body malformed ("[" * 100000)."""
+    openers = body.count(b"[") + body.count(b"{")
+    if openers <= MAX_JSON_DEPTH:
+        return openers
+    kept = body.replace(b"\\\\", b"").replace(b'\\"', b"").translate(_BRACKETS, _NOT_STRUCTURE)
+    nesting = b"".join(kept.split(b'"')[::2])
+    depth = 0
+    while depth <= MAX_JSON_DEPTH:
+        inner = nesting.replace(b"()", b"")
+        if len(inner) == len(nesting):
+            break
+        nesting = inner
+        depth += 1
+    return depth + nesting.count(b"(")
+
+
+def json_body(body: bytes) -> Any:
+    """A request body parsed as JSON; a body that is not JSON, or is nested deeper than
+    ``MAX_JSON_DEPTH``, is a ``RequestError`` (400) saying so, like every other malformed body."""
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(
+            400,
+            f"the request body nests arrays and objects {depth} levels deep; the router accepts at "
+            f"most {MAX_JSON_DEPTH}",
+        )
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # not below the limit, but should the stack already be deep
+        raise RequestError(
+            400, f"the request body nests too deep to parse; the router accepts at most {MAX_JSON_DEPTH}"
+        ) from None

@@ -105,6 +105,7 @@ from router.http1 import (
     RequestReader,
     chunk,
     end_of_head,
+    json_body,
     response_head,
     status_block,
 )
@@ -185,6 +186,17 @@ class RouterError(Exception):
 
 class _ClientGone(Exception):
     """The client's connection closed or broke while its response was being produced."""
+
+
+#: What ``_forward`` raises when the client is gone (its connection at end of file): the
+#: engine's relay or the client's socket broke, or an error answer has no one left to take it.
+_HANG_UP_EFFECTS = (
+    _UpstreamBroken,
+    RouterError,
+    OSError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,11 +632,9 @@ class Router:
 
     async def _proxy(self, ex: _Exchange) -> None:
         try:
-            doc = json.loads(ex.request.body)
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            raise RouterError(
-                400, f"the request body is not valid JSON: {exc}", "invalid_request_error"
-            ) from None
+            doc = json_body(ex.request.body)
+        except RequestError as exc:  # not JSON, or nested past MAX_JSON_DEPTH
+            raise RouterError(exc.status, exc.message, "invalid_request_error") from None
         if not isinstance(doc, dict):
             raise RouterError(400, "the request body must be a JSON object", "invalid_request_error")
         model = doc.get("model")
@@ -654,18 +664,30 @@ class Router:
 
         # The client hanging up cancels the connection's scope (ClientConn.watch), and with it
         # this request: leaving _forward closes the engine connection, which cancels its work.
+        # Only what a hang-up causes is a 499 (the cancellation, a failed write to the client,
+        # or an answer there is no one left to take); anything else, a bug above all, goes on
+        # as it is, to be logged (_respond, _serve_client), never counted as the client's doing.
         try:
             await self._forward(ex, routes, digest)
-        except BaseException as exc:
-            if ex.client.eof or isinstance(exc, _ClientGone):
-                self.metrics.disconnects[model] = self.metrics.disconnects.get(model, 0) + 1
-                self.metrics.request(model, 499)
-                if not isinstance(exc, trio.Cancelled):
-                    raise _ClientGone() from None
-            elif isinstance(exc, _UpstreamBroken):
-                self.metrics.request(model, ex.status)
+        except trio.Cancelled:
+            if ex.client.eof:
+                self._client_left(model)
             raise
+        except _ClientGone:
+            self._client_left(model)
+            raise
+        except _HANG_UP_EFFECTS as exc:
+            if not ex.client.eof:
+                if isinstance(exc, _UpstreamBroken):
+                    self.metrics.request(model, ex.status)
+                raise
+            self._client_left(model)
+            raise _ClientGone() from None
         self.metrics.request(model, ex.status)
+
+    def _client_left(self, model: str) -> None:
+        self.metrics.disconnects[model] = self.metrics.disconnects.get(model, 0) + 1
+        self.metrics.request(model, 499)
 
     def _upstream_request(self, ex: _Exchange, target: Target, api_key: str = "") -> bytes:
         """The request head and body for the engine. An engine with a key of its own gets that key

@@ -1047,3 +1047,84 @@ def test_parse_response_head() -> None:
     )
     until_close, _ = parse_response_head(b"HTTP/1.0 200 OK\r\n\r\n") or (None, 0)
     assert until_close is not None and until_close.framing == "close" and not until_close.keep_alive
+
+
+async def test_a_body_nested_past_the_limit_is_a_400_naming_it_not_a_recursion_error(
+    nursery: trio.Nursery, engines: tuple[Engine, Engine]
+) -> None:
+    from router.http1 import MAX_JSON_DEPTH
+
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    url = f"{base}/v1/chat/completions"
+    deep = b"[" * 100_000  # Python's parser alone: 500 internal error: RecursionError
+    wrapped = (
+        json.dumps({"model": MODEL, "messages": CHAT, "x": "@"})
+        .encode()
+        .replace(b'"@"', b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1))
+    )
+    # Brackets in strings are text, not nesting: within the limit, so the engine answers.
+    in_strings = {"model": MODEL, "messages": [{"role": "user", "content": "[{" * 50_000}], "max_tokens": 2}
+
+    def calls() -> None:
+        for body in (deep, b"{" * 100_000, wrapped):
+            r = httpx.post(url, content=body, timeout=30)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert f"at most {MAX_JSON_DEPTH}" in error["message"] and "Recursion" not in error["message"]
+        ok = httpx.post(url, json=in_strings, timeout=30)
+        assert ok.status_code == 200, ok.text
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200  # still serving
+
+    await trio.to_thread.run_sync(calls)
+
+
+def test_json_depth_counts_nesting_outside_strings_and_unclosed_openers() -> None:
+    from router.http1 import MAX_JSON_DEPTH, json_depth
+
+    wrap = MAX_JSON_DEPTH + 10  # past the count shortcut, so the nesting itself is measured
+    for inner, depth in [
+        (rb"1", 0),
+        (rb'{"a": "[[[[\"[[[", "b": [[]]}', 3),
+        (rb'["\\", [[]]]', 3),
+        (rb'["\\\"[[[{{{", {}]', 2),
+        (rb"[[1], [[2]], []]", 3),
+    ]:
+        assert json_depth(b"[" * wrap + inner + b"]" * wrap) == wrap + depth, inner
+    assert json_depth(b"[" * 100_000) == 100_000
+    assert json_depth(b"[]" * 10_000) == 1
+
+
+async def test_a_bug_after_the_client_left_is_raised_not_counted_as_a_499() -> None:
+    """Only what a hang-up causes is the client's 499; a KeyError raised while the client is
+    gone is a bug, and goes on (to be logged by the connection's handler) instead of vanishing
+    into the disconnect count."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from router.http1 import ClientConn, Request
+    from router.server import _ClientGone, _Exchange
+
+    class Buggy(Router):
+        async def _forward(self, ex: object, routes: object, digest: object) -> None:
+            raise KeyError("a bug")
+
+    class Hangs(Router):
+        async def _forward(self, ex: object, routes: object, digest: object) -> None:
+            raise BrokenPipeError("the client's socket")
+
+    table = {MODEL: ModelRoutes((Upstream("r0", "http://127.0.0.1:9"),))}
+    body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+
+    def exchange() -> _Exchange:
+        client = cast(ClientConn, SimpleNamespace(eof=True, fd=-1))
+        return _Exchange(client, Request(b"POST", b"/v1/chat/completions", [], body, True, True), 0.0)
+
+    buggy = Buggy(routes_of(table))
+    with pytest.raises(KeyError):
+        await buggy._proxy(exchange())
+    assert (MODEL, "499") not in buggy.metrics.requests and not buggy.metrics.disconnects
+    hangs = Hangs(routes_of(table))
+    with pytest.raises(_ClientGone):
+        await hangs._proxy(exchange())
+    assert hangs.metrics.requests[(MODEL, "499")] == 1 and hangs.metrics.disconnects[MODEL] == 1
