@@ -9,6 +9,7 @@ defaults). A configuration mistake is one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -70,14 +71,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llmgw-router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    failed: list[OSError] = []
     try:
-        trio.run(run, config)
+        try:
+            trio.run(run, config)
+        except* OSError as group:  # from inside the nursery: the port in use, a foreign address
+            failed.extend(_leaves(group))
     except KeyboardInterrupt:
         pass
-    except OSError as exc:  # the port in use, an address not on this host
-        print(f"llmgw-router: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+    for error in failed[:1]:
+        if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            print(
+                f"llmgw-router: cannot listen on {config.host}:{config.port}: {error.strerror} (another "
+                "process holds the port, or the address is not this host's; routers share a port "
+                "only when each has --reuse-port)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"llmgw-router: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _leaves(group: BaseExceptionGroup[OSError]) -> list[OSError]:
+    out: list[OSError] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 if __name__ == "__main__":
