@@ -150,6 +150,14 @@ def read_state(path: Path) -> SavedState | None:
     return parse_state(text, path)
 
 
+def set_aside(path: Path) -> Path:
+    """Rename a damaged state file to ``NAME.damaged`` (replacing an older one), so that the next
+    save does not overwrite what a person may want to read or repair. Blocks on the filesystem."""
+    aside = path.with_name(path.name + ".damaged")
+    os.replace(path, aside)
+    return aside
+
+
 def write_state(path: Path, doc: Mapping[str, Any]) -> None:
     """Replace the state file atomically and durably (blocking: run it in a worker thread).
 
@@ -247,6 +255,7 @@ __all__ = [
     "keyless",
     "parse_state",
     "read_state",
+    "set_aside",
     "state_doc",
     "write_state",
 ]

@@ -322,6 +322,10 @@ def test_a_plane_with_a_damaged_state_file_starts_empty_and_says_where(
     assert plane.fleet.nodes == {} and plane.placements == ()
     assert f"{tmp_path}/control-state.json: nodes['gpu01']: not a base64 Register" in caplog.text
     assert "starting with no memory of the fleet" in caplog.text
+    # Set aside, not overwritten by the next save: a person can still read and repair it.
+    assert f"it is kept as {tmp_path}/control-state.json.damaged" in caplog.text
+    assert (tmp_path / "control-state.json.damaged").read_text() == '{"nodes": {"gpu01": "%%%"}}'
+    assert not (tmp_path / "control-state.json").exists()
     # The pre-split file restores through the plane too: nodes unreachable until they register.
     (tmp_path / "control-state.json").write_bytes((FIXTURES / "control-state-2026-12-03.json").read_bytes())
     plane = ControlPlane(cfg, clock=lambda: 0.0)
