@@ -29,6 +29,7 @@ from tests.fleet_procs import (
     poll,
     sim_processes,
 )
+from tests.support import cmdline, environ
 
 
 @pytest.fixture
@@ -154,12 +155,7 @@ def test_multinode_model_placed_on_a_shared_fabric(tmp_path: Path) -> None:
         for shard in shards:
             agent = fleet.agents[shard["node_id"]]
             pid = next(p for p in agent.engine_pids() if pid_alive(p))
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = dict(
-                kv.split(b"=", 1)
-                for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                if b"=" in kv
-            )
+            argv, env = cmdline(pid) or [], environ(pid) or {}
             rank = str(shard["node_rank"]).encode()
             assert argv[argv.index(b"--node-rank") + 1] == rank and argv[argv.index(b"--nnodes") + 1] == b"2"
             assert argv[argv.index(b"--master-addr") + 1] == leader_addr.encode()
@@ -423,7 +419,7 @@ ports = "21000-21099"
         assert answer.choices[0].message.content
         # The engines were started under that name, not under the profile's model.
         for pid in agent.engine_pids():
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            argv = cmdline(pid) or []
             assert argv[argv.index(b"--served-model-name") + 1] == b"llama-70b"
     finally:
         cp.terminate()
