@@ -14,6 +14,9 @@ One port serves three protocols, told apart by their first bytes (or by TLS ALPN
 - anything else is answered with a clear error (an HTTP/1.1 response or a GOAWAY with debug text) and
   the connection closed; other connections do not notice.
 
+Other RPCs can share the port over HTTP/2 (``StreamServer(methods=...)``): the route watch that
+routers subscribe to (``/llmgw.v1.RouteService/WatchRoutes``, :mod:`control.routewatch`).
+
 The handler sees a :class:`ServerStream` per stream: the authenticated peer (certificate subject and
 SANs), an async iterator of ``AgentMessage`` and a ``send`` for ``ControlMessage``. Returning ends the
 stream with OK; raising :class:`schema.rpc.RpcError` ends it with that status.
