@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
+import trio.lowlevel
 import trustme
 
 import schema
@@ -20,6 +21,7 @@ from router.watch import WatchedRoutes
 from schema.rpc import Code, RpcError
 from tests.fleet_procs import free_port, one_node
 from tests.support import apoll as _until  # another task's state, with no event to wait on
+from transport.client import CallOptions, server_stream
 
 TOKEN = "route-watch-read-token-0123456789"
 
@@ -243,3 +245,41 @@ async def test_a_control_url_naming_an_http1_port_says_which_address_to_use(
     line = next(r.getMessage() for r in caplog.records if "no table yet" in r.getMessage())
     assert "answered with HTTP/1.1" in line and "--control is the control plane's [listen] agents" in line
     assert received.startswith(b"PRI * HTTP/2.0") and b"secret-token" not in received
+
+
+async def test_a_watcher_that_stops_reading_is_sent_the_latest_table_not_a_backlog() -> None:
+    """A watcher that stops reading costs the server its HTTP/2 window and one shared table, not a
+    queue: 40 changes of a 100 KB table while it does not read (it buffers at most 300 KB), then it
+    reads again and gets a few tables ending at the latest revision, not 40."""
+    port = free_port()
+    watch = RouteWatch()
+    key = "k" * 1000
+
+    def big(i: int) -> dict[str, ModelRoutes]:
+        ups = tuple(
+            Upstream(f"m-r{j}", f"http://10.0.{j // 250}.{j % 250}:{8000 + i}", key) for j in range(100)
+        )
+        return {"m": ModelRoutes(ups)}
+
+    async with trio.open_nursery() as nursery:
+        await _serve(watch, port, nursery)
+        watch.publish(big(0))
+        request = bytes(schema.WatchRoutesRequest())
+        options = CallOptions(max_message_size=300_000)
+        url = f"http://127.0.0.1:{port}"
+        async with server_stream(url, schema.WATCH_ROUTES_PATH, request, options) as call:
+            first = await call.receive()
+            assert first is not None and len(first) > 100_000
+            for i in range(1, 41):
+                watch.publish(big(i))
+                await trio.lowlevel.checkpoint()  # the server's handler runs between changes: it may send
+            received = 0
+            while True:
+                payload = await call.receive()
+                assert payload is not None
+                received += 1
+                if schema.RouteTable.parse(payload).revision == watch.revision:
+                    break
+        nursery.cancel_scope.cancel()
+    assert watch.revision == 41
+    assert received <= 6, received  # what the client buffered (300 KB and its window), then the latest
