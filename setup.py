@@ -1,7 +1,10 @@
 """The one native piece, the router's relay pump thread (router/_pump.c).
 
-It is optional: without a C compiler the build goes on without it and router.relay uses its
-pure-Python pump, which behaves the same and costs more CPU per relayed event."""
+It is optional and Linux-only (epoll, eventfd): without a C compiler, or on another system, the
+build goes on without it and router.relay uses its pure-Python pump, which behaves the same and
+costs more CPU per relayed event."""
+
+import sys
 
 from setuptools import Extension, setup
 
@@ -14,4 +17,6 @@ setup(
             optional=True,
         )
     ]
+    if sys.platform.startswith("linux")
+    else []
 )
