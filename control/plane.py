@@ -52,7 +52,7 @@ from control.query import ControlView, DrainRefused, JoinSecrets, engine_views
 from control.reconcile import Drain, Reconciler, Start, Stop, adopted_placements, drain_verdict
 from control.routes import route_table
 from control.routewatch import RouteWatch
-from control.state import STATE_FILE, StateFileError, StateSaver, read_state, set_aside
+from control.state import STATE_FILE, SavedState, StateFileError, StateSaver, read_state, set_aside
 from control.transport import ServerLimits, ServerTLS, StreamServer
 from router.routes import ModelRoutes
 
@@ -493,19 +493,26 @@ class ControlPlane:
         await self.save()
 
     def restore(self) -> None:
-        """Start from the state file, if there is one (see the module docstring). A damaged file is
-        named in the log with the field that is wrong and renamed ``control-state.json.damaged``
-        (the next save would overwrite it), and the control plane starts with no memory of the
-        fleet: the agents' Registers then bring their shards back as adopted placements."""
+        """Start from the state file, if there is one (see the module docstring). Blocks on the
+        filesystem: ``run`` reads the file in a worker thread and applies it here on the trio one."""
+        self._restore(self._read_saved())
+
+    def _read_saved(self) -> SavedState | None:
+        """The saved state, or None. A damaged file is named in the log with the field that is wrong
+        and renamed ``control-state.json.damaged`` (the next save would overwrite it), and the
+        control plane starts with no memory of the fleet: the agents' Registers then bring their
+        shards back as adopted placements. Blocks on the filesystem."""
         try:
-            saved = read_state(self.state_file)
+            return read_state(self.state_file)
         except StateFileError as exc:
             try:
                 kept = f"; it is kept as {set_aside(self.state_file)}"
             except OSError as err:
                 kept = f"; it could not be set aside ({err.strerror or err})"
             log.warning("%s; starting with no memory of the fleet (cordons and drains too)%s", exc, kept)
-            return
+            return None
+
+    def _restore(self, saved: SavedState | None) -> None:
         if saved is None:
             return
         for line in saved.skipped:
@@ -552,7 +559,7 @@ class ControlPlane:
                 task_status.started(self)
             return
         self.shard_key_secret = await trio.to_thread.run_sync(load_shard_key_secret, self.config.state_dir)
-        self.restore()
+        self._restore(await trio.to_thread.run_sync(self._read_saved))
         await self._load_joins()
         tls = None
         if self.config.tls is not None:
