@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
@@ -29,6 +29,7 @@ async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.
     watch runs in this nursery beside the server and the router reads its table per request."""
     async with trio.open_nursery() as nursery:
         routes: RoutesFn
+        pending: Callable[[], str] | None = None
         if config.control:
             # Imported here: only a router that watches needs the transport's client side.
             from router.watch import WatchedRoutes
@@ -36,9 +37,13 @@ async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.
             watched = WatchedRoutes(config.control, token=config.control_token, ca=config.control_ca)
             await nursery.start(watched.run)
             routes = watched.routes
+            where = config.control
+
+            def pending() -> str:
+                return "" if watched.tables else f"no route table from the control plane at {where} yet"
         else:
             routes = static_routes(config.static_routes())
-        router = Router.from_config(routes, config)
+        router = Router.from_config(routes, config, pending=pending)
         port = await nursery.start(
             lambda task_status: router.serve(
                 config.host, config.port, reuse_port=config.reuse_port, task_status=task_status

@@ -269,8 +269,12 @@ class Router:
         max_body_bytes: int = 32 * 1024 * 1024,
         relay_coalesce_us: int = DEFAULT_COALESCE_US,
         clock: Callable[[], float] = trio.current_time,
+        pending: Callable[[], str] | None = None,
     ) -> None:
         self.routes = routes
+        #: Why there is no route table yet ("" once there is one): a router whose routes are
+        #: watched answers a model it does not know yet with a 503 to retry, not a 404.
+        self.pending = pending
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.affinity_chars = affinity_chars
         self.max_attempts = max(1, max_attempts)
@@ -308,10 +312,16 @@ class Router:
 
     @classmethod
     def from_config(
-        cls, routes: RoutesFn, config: RouterConfig, *, clock: Callable[[], float] = trio.current_time
+        cls,
+        routes: RoutesFn,
+        config: RouterConfig,
+        *,
+        clock: Callable[[], float] = trio.current_time,
+        pending: Callable[[], str] | None = None,
     ) -> Router:
         """A router with every setting of ``config`` (the routes come from ``routes``: a static
-        table, the route watch, or the control plane's own table)."""
+        table, the route watch, or the control plane's own table; ``pending`` says why there is
+        no table yet, if one may still come)."""
         return cls(
             routes,
             api_keys=frozenset(config.api_keys),
@@ -331,6 +341,7 @@ class Router:
             max_body_bytes=config.max_body_bytes,
             relay_coalesce_us=config.relay_coalesce_us,
             clock=clock,
+            pending=pending,
         )
 
     # -- the service -----------------------------------------------------------------------------
@@ -645,6 +656,11 @@ class Router:
         table = self.routes()
         routes = table.get(model)
         if routes is None:
+            waiting = self.pending() if self.pending is not None else ""
+            if waiting:
+                raise RouterError(
+                    503, f"model `{model}`: {waiting}; retry shortly", "service_unavailable", "no_routes_yet"
+                )
             known = ", ".join(sorted(table)) or "none"
             raise RouterError(
                 404,

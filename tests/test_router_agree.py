@@ -122,7 +122,10 @@ def test_reuse_port_lets_router_processes_share_a_port_and_survive_one_dying(tmp
             cwd=REPO,
             timeout=60,
         )
-        assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+        assert (
+            done.returncode == 1
+            and f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+        )
 
         def models() -> str:
             # A fresh connection each time: the kernel picks a listener per connection.
@@ -142,3 +145,52 @@ def test_reuse_port_lets_router_processes_share_a_port_and_survive_one_dying(tmp
         assert set(answers) == {"model-b"}
     finally:
         stop(routers)
+
+
+def test_a_router_with_control_serves_the_control_planes_routes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m router --control URL`` against a real control plane and sim agent: the route
+    watch runs in the router's nursery and the model the plane places is served through it."""
+    from tests.fleet_procs import one_node
+
+    token = "r" * 32
+    model = f"svc-{os.getpid()}"
+    models = (
+        f'[api]\nread_tokens = ["{token}"]\n'
+        f'[[models]]\nname = "{model}"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
+        'env = { LLMGW_SIM_LOAD_SECONDS = "0.3", LLMGW_SIM_ITL_MS = "1" }\n'
+    )
+    with one_node(tmp_path, models, "24700-24749") as (cp, _agent):
+        monkeypatch.setenv("LLMGW_ROUTER_CONTROL_TOKEN", token)  # the variable keeps it out of ps
+        router = start_router(
+            tmp_path, "svc", "--control", f"http://127.0.0.1:{cp.agent_port}", "--port", "0"
+        )
+        try:
+            doc = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+            def served() -> httpx.Response | None:
+                r = httpx.post(f"{router.base}/v1/chat/completions", json=doc, timeout=30)
+                return r if r.status_code == 200 else None
+
+            answer = poll("the router to serve the placed model", served, timeout=60)
+            assert answer.headers["x-llmgw-replica"].startswith(model)
+            assert "routes from http://127.0.0.1:" in router.log.read_text()
+        finally:
+            stop([router])
+
+
+def test_before_its_first_table_a_watching_router_answers_503_to_retry(tmp_path: Path) -> None:
+    """A router started while the control plane is down serves (after the watch's bounded first
+    wait) and tells clients to retry: a 503 naming the control plane, not a 404 for a model that
+    only has not been heard of yet."""
+    control = f"http://127.0.0.1:{free_port()}"
+    router = start_router(tmp_path, "early", "--control", control, "--port", "0")
+    try:
+        doc = {"model": "any", "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{router.base}/v1/chat/completions", json=doc, timeout=30)
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "no_routes_yet" and control in error["message"]
+    finally:
+        stop([router])
