@@ -26,6 +26,9 @@ of a ``ControlView`` (what the plane knows at one instant), and the writes go th
     POST /api/uncordon/NODE         undo a cordon or a drain (replicas already moved stay moved)
     GET  /api/token                 the cluster join token agents join with (a secret: admin only)
     POST /api/reset/NODE            forget NODE's credential: it joins again with the join token
+    GET  /                          the fleet page for a browser (``control.page``: how it authenticates)
+    GET  /fleet                     the page's live part, an HTML fragment its script fetches every 2 s
+    GET  /metrics                   the fleet's Prometheus metrics (``control.fleetmetrics``)
 
 Cordons and drains are written to the state file before the answer, so they survive a restart.
 
@@ -55,9 +58,11 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 import schema
+from control import page
 from control.config import AdminApi
 from control.events import Event
 from control.fleet import LIVE_SHARD_STATES, Node
+from control.fleetmetrics import FleetMetrics
 from control.placement import model_name_of
 from control.query import ControlQuery, ControlView, DrainRefused, engine_views
 from control.transport import ServerTLS
@@ -329,6 +334,11 @@ def model_doc(view: ControlView, model: str) -> dict[str, Any]:
     return doc
 
 
+def _fleet_html(view: ControlView) -> str:
+    """The fleet page's live part from one view, through the same documents ``ctl`` reads."""
+    return page.fleet_html(nodes_doc(view), models_doc(view), replicas_doc(view))
+
+
 def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
     """What still runs on a node being drained, and where each replica's replacement stands."""
     node = view.nodes.get(node_id)
@@ -410,9 +420,10 @@ _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
 def required_role(method: str, parts: list[str]) -> str | None:
-    """The role a request needs: None for ``/healthz`` (it says only that the process answers),
+    """The role a request needs: None for ``/healthz`` (it says only that the process answers) and
+    for ``GET /`` (the fleet page holds data only for a request that may read: ``control.page``),
     ``read`` for a GET or HEAD, ``admin`` for every write and for GETs in ``ADMIN_READS``."""
-    if parts == ["healthz"]:
+    if parts == ["healthz"] or (parts == [] and method == "GET"):
         return None
     if method in ("GET", "HEAD") and tuple(parts[:2]) not in ADMIN_READS:
         return READ
@@ -446,7 +457,8 @@ class ApiGuard:
     - ``Origin`` (and ``Sec-Fetch-Site`` other than same-origin or none): a browser adds them to
       requests a web page makes. ``ctl``, curl and scripts never send them, so any request with one
       is a web page reaching in (a cross-origin ``text/plain`` POST needs no CORS preflight and
-      would drain a node): refused, 403.
+      would drain a node): refused, 403. The fleet page's own fetches are same-origin GETs, which
+      carry no ``Origin`` and say ``Sec-Fetch-Site: same-origin``: they pass, and need the token.
     - ``Host`` must name the API itself (its listen address, localhost or 127.0.0.1 with its port,
       any IP literal when it listens on every address, or a name in ``[api] hosts``). A page on
       an attacker's name that re-resolves to 127.0.0.1 (DNS rebinding) sends its own name: 403.
@@ -575,10 +587,14 @@ class ApiGuard:
         raise ApiError(401, "unknown admin API token; check LLMGW_API_TOKEN or --token-file")
 
 
-def make_app(query: ControlQuery, guard: ApiGuard) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+def make_app(
+    query: ControlQuery, guard: ApiGuard, metrics: FleetMetrics | None = None
+) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The admin API as an ASGI app over ``query``; ``guard`` decides who may ask (``serve_api``
-    builds it from the config and sets its port once bound)."""
+    builds it from the config and sets its port once bound); ``metrics`` is the control plane's
+    registry for ``/metrics`` (without one, the fleet's gauges and the process metrics only)."""
     checked = guard
+    fleet_metrics = metrics if metrics is not None else FleetMetrics()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -597,11 +613,28 @@ def make_app(query: ControlQuery, guard: ApiGuard) -> Callable[[Scope, Receive, 
         status: int = 200
         body: Any = None
         extra: list[tuple[bytes, bytes]] = []
+        #: An answer that is not JSON (the page, the metrics): its bytes and content type.
+        raw: tuple[bytes, bytes] | None = None
         try:
             client = scope.get("client")
-            checked.check(method, parts, dict(scope.get("headers", ())), client[0] if client else None)
+            headers: dict[bytes, bytes] = dict(scope.get("headers", ()))
+            checked.check(method, parts, headers, client[0] if client else None)
             if parts == ["healthz"]:
                 body = {"ok": True}
+            elif method == "GET" and parts == []:
+                try:  # the fleet's data only for a request that may read it (see control.page)
+                    checked.check(method, ["fleet"], headers, client[0] if client else None)
+                    shown = _fleet_html(query.view())
+                except ApiError:
+                    shown = None
+                raw = page.page_html(shown, tokens=checked.has_tokens), page.CONTENT_TYPE
+                extra.extend(page.HEADERS)
+            elif method == "GET" and parts == ["fleet"]:
+                raw = _fleet_html(query.view()).encode(), page.CONTENT_TYPE
+                extra.extend(page.HEADERS)
+            elif method == "GET" and parts == ["metrics"]:
+                data, ctype = await fleet_metrics.scrape(query.view(), headers.get(b"accept", b"").decode())
+                raw = data, ctype.encode()
             elif method == "GET" and parts == ["api", "nodes"]:
                 body = nodes_doc(query.view())
             elif method == "GET" and parts == ["api", "replicas"]:
@@ -674,13 +707,16 @@ def make_app(query: ControlQuery, guard: ApiGuard) -> Callable[[Scope, Receive, 
         except Exception as exc:
             log.exception("admin API: %s %s failed", method, path)
             status, body = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
-        data = json.dumps(body, indent=2).encode() + b"\n"
+        if raw is not None and status == 200:
+            data, content_type = raw
+        else:
+            data, content_type = json.dumps(body, indent=2).encode() + b"\n", b"application/json"
         await send(
             {
                 "type": "http.response.start",
                 "status": status,
                 "headers": [
-                    (b"content-type", b"application/json"),
+                    (b"content-type", content_type),
                     (b"content-length", str(len(data)).encode()),
                     *extra,
                 ],
@@ -697,6 +733,7 @@ async def serve_api(
     host: str,
     port: int,
     *,
+    metrics: FleetMetrics | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin API; reports the bound port. With ``[api.tls]`` it is HTTPS, and with its
@@ -723,6 +760,6 @@ async def serve_api(
             "" if _is_loopback(host) or host == "localhost" else f" although it listens on {host}",
         )
     async with trio.open_nursery() as nursery:
-        urls: list[str] = await nursery.start(serve, make_app(query, guard), config)
+        urls: list[str] = await nursery.start(serve, make_app(query, guard, metrics), config)
         guard.port = int(urls[0].rsplit(":", 1)[1])
         task_status.started(guard.port)

@@ -19,6 +19,7 @@ trtllm-serve has no key option, so its shards get none.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -38,6 +39,7 @@ from control.api import serve_api
 from control.config import ControlConfig, Listen, ModelConfig
 from control.events import Event, EventLog, Kind
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, Transition
+from control.fleetmetrics import FleetMetrics
 from control.placement import (
     GpuView,
     ModelSpec,
@@ -183,6 +185,8 @@ class ControlPlane:
         self._saver = StateSaver(self.state_file)
         #: What the admin API reads and asks (``control.query.ControlQuery``).
         self.query = PlaneQuery(self)
+        #: The admin API's ``/metrics``: the fleet read at scrape time, and the counters below.
+        self.metrics = FleetMetrics()
         #: Loaded by ``run`` (or set by a test); while empty, shards get no key.
         self.shard_key_secret = b""
 
@@ -247,6 +251,7 @@ class ControlPlane:
         old = State(before.state).name.lower() if before is not None else ""
         new = State(after.state).name.lower()
         reason = after.error
+        self.metrics.shard_reported(before, after, model_name_of(after.replica_id), self.models)
         if before is not None and old == new and before.pid != after.pid:
             reason = reason or f"engine process {before.pid} -> {after.pid}"
         self._event(
@@ -450,6 +455,8 @@ class ControlPlane:
                 log.info("start %s on %s", shard_id, command.node_id)
                 self.agents.send(command.node_id, start=command.spec)
                 failures = self.reconciler.failures(command.node_id, shard_id)
+                if failures:
+                    self.metrics.shard_restarted(model_name_of(command.spec.replica_id), self.models)
                 reason = f"StartShard sent (after {failures} failure(s))" if failures else "StartShard sent"
                 self._command(command.node_id, shard_id, command.spec.replica_id, "start", reason, now)
             elif isinstance(command, Stop):
@@ -575,7 +582,8 @@ class ControlPlane:
         api_host, api_port = Listen.split(self.config.listen.api)
         async with trio.open_nursery() as nursery:
             self.agent_port = await nursery.start(server.serve, host, port)
-            self.api_port = await nursery.start(serve_api, self.query, self.config.api, api_host, api_port)
+            serve = functools.partial(serve_api, metrics=self.metrics)
+            self.api_port = await nursery.start(serve, self.query, self.config.api, api_host, api_port)
             if self.config.listen.router:
                 router_host, router_port = Listen.split(self.config.listen.router)
                 self.router_port = await nursery.start(router.serve, router_host, router_port)
@@ -613,6 +621,7 @@ class ControlPlane:
             except Exception:
                 log.exception("reconcile pass failed; retrying")
             took = time.perf_counter() - started
+            self.metrics.reconcile_pass(took)
             if took > 0.1:
                 log.info("reconcile pass took %.0f ms (%d nodes)", took * 1000, len(self.fleet.nodes))
             now = self.clock()
