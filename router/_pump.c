@@ -112,7 +112,7 @@ typedef struct {
     size_t results_len, results_cap;
     int closed;
     int signalled; /* the eventfd was written since collect() last took the results */
-    long coalesce_ns; /* after a wake-up, wait this long before looking again (see serve) */
+    long coalesce_ns; /* after a wake-up, wait at most this long before looking again (see serve) */
     unsigned long long wakeups, pauses, reads; /* for /metrics: reads per wake-up is what coalescing buys */
 } Pump;
 
