@@ -1,8 +1,13 @@
 """The router: an OpenAI-compatible HTTP API that sends traffic straight to the engines.
 
-It is served by the control plane's process (``Router(plane_routes)``) or alone with a static endpoint
-list (``python -m router --static MODEL=URL``). Either way it talks only to engine URLs, so
-engines keep serving while the agent or the control plane restarts.
+It runs as its own service (``python -m router``, ``router.cli``: routes watched from the control
+plane with ``--control URL``, or a static endpoint list with ``--static MODEL=URL``; several of
+them, on one port with ``--reuse-port``) or embedded in the control plane's process
+(``Router.from_config(plane.routes, config)``). Either way it talks only to engine URLs, so
+engines keep serving while the agent or the control plane restarts. Its settings are one
+``router.config.RouterConfig``; its parts are in their own modules: ``router.balancer`` (choosing
+a replica), ``router.upstream`` and ``router.pool`` (engine connections), ``router.limits``
+(clients), ``router.stalls`` (silent engines), ``router.metrics``, and the framing and relay.
 
 Why it is built this way
 ------------------------
