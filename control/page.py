@@ -51,6 +51,7 @@ h2 { font-size: 1.05em; margin: 1.4em 0 .4em; }
 table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: .3em .8em .3em 0; border-bottom: 1px solid #eaeef2; vertical-align: top; }
 th { color: var(--muted); font-weight: 600; }
+td:first-child { white-space: nowrap; }
 .summary { margin: 1em 0 0; color: var(--muted); }
 .state { font-weight: 600; }
 .ready { color: var(--ok); }
@@ -160,12 +161,12 @@ def _state(state: str) -> str:
     return f'<span class="state {css}">{_e(state)}</span>'
 
 
-def _table(headers: Sequence[str], rows: Iterable[str], empty: str) -> str:
+def _table(table_id: str, headers: Sequence[str], rows: Iterable[str], empty: str) -> str:
     body = "".join(rows)
     if not body:
-        return f'<p class="none">{_e(empty)}</p>'
+        return f'<p class="none" id="{table_id}">{_e(empty)}</p>'
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
 def _node_row(n: Mapping[str, Any]) -> str:
@@ -175,10 +176,11 @@ def _node_row(n: Mapping[str, Any]) -> str:
     total = int(n.get("gpus", 0))
     used = total - int(n.get("gpus_free", 0))
     gpu_model = f' <span class="why">{_e(n.get("gpu_model", ""))}</span>' if n.get("gpu_model") else ""
-    engines = ", ".join(
-        f"{e.get('engine', '')} {e.get('version', '') or '(' + str(e.get('error', '') or 'unknown') + ')'}"
-        for e in n.get("engines", ())
-    )
+    found = [e for e in n.get("engines", ()) if e.get("version")]
+    missing = [e for e in n.get("engines", ()) if not e.get("version")]
+    # The engines found, with versions; those not found only in a tooltip (a node lists them all).
+    engines = ", ".join(f"{e.get('engine', '')} {e.get('version', '')}" for e in found) or "none found"
+    absent = "; ".join(f"{e.get('engine', '')}: {e.get('error', '') or 'unknown'}" for e in missing)
     return (
         f"<tr><td>{_e(n.get('node_id', ''))}</td>"
         f"<td>{_state(state)}{''.join(' ' + _state(m) for m in marks)}{why}</td>"
@@ -186,7 +188,7 @@ def _node_row(n: Mapping[str, Any]) -> str:
         f"<td>{_e(', '.join(n.get('fabrics', ())) or '-')}</td>"
         f'<td class="num">{_ago(n.get("heartbeat_age_s"))}</td>'
         f"<td>{_e(n.get('mgmt_addr', ''))}</td>"
-        f'<td class="why">{_e(engines)}</td></tr>'
+        f'<td class="why" title="{_e(absent)}">{_e(engines)}</td></tr>'
     )
 
 
@@ -250,18 +252,21 @@ def fleet_html(
         summary
         + "<h2>Nodes</h2>"
         + _table(
+            "nodes",
             ("node", "state", "GPUs used/total", "fabrics", "heartbeat", "address", "engines"),
             (_node_row(n) for n in nodes),
             "No node has registered yet: start an agent with --server pointing at this control plane.",
         )
         + "<h2>Models</h2>"
         + _table(
+            "models",
             ("model", "engine", "replicas ready/wanted", "placed", "why not placed"),
             (_model_row(m) for m in models),
             "The catalog holds no model.",
         )
         + "<h2>Shards</h2>"
         + _table(
+            "shards",
             ("model", "shard", "state", "node", "pid", "GPUs", "port", "failures / error"),
             (row for r in replicas for row in _shard_rows(r)),
             "No replica is placed.",
