@@ -489,6 +489,11 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             f"no routes: give --control URL ({variable('control')}; routes watched from the control "
             f"plane) or --static MODEL=URL ({variable('static')}; a router-only run)"
         )
+    if config.control_ca is not None and not config.control_ca.is_file():
+        raise ConfigError(
+            f"control_ca ({_where('control_ca', layered)}): {config.control_ca} is not a readable file; "
+            "name the PEM file of the CA that signs the control plane's certificate"
+        )
     if not config.control:
         for key in ("control_token", "control_ca"):
             if key in layered.sources:

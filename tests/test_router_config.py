@@ -98,6 +98,11 @@ def test_lists_come_from_repeated_flags_or_comma_separated_variables() -> None:
             "eject_base (from --eject-base): (600) must not exceed eject_max",
         ),
         (
+            ["--control", "https://127.0.0.1:7443", "--control-ca", "/nonexistent/ca.pem"],
+            {},
+            "control_ca (from --control-ca): /nonexistent/ca.pem is not a readable file",
+        ),
+        (
             ["--static", STATIC],
             {f"{ENV_PREFIX}METRICS_KEY": "short"},
             "metrics_key (from LLMGW_ROUTER_METRICS_KEY): must be empty or at least 16 characters",
