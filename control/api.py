@@ -248,10 +248,15 @@ def why_doc(view: ControlView, model: str) -> dict[str, Any]:
     return {"model": model, "replicas_wanted": cfg.replicas, "placed": placed, "unplaced": unplaced}
 
 
-def models_doc(view: ControlView) -> list[dict[str, Any]]:
+def models_doc(
+    view: ControlView, replicas_of_view: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Every model in the catalog: replicas wanted, placed and ready (``ctl get models``), what a
-    replica needs, and why the replicas that cannot run cannot (the plan's reasons)."""
-    replicas = [r for r in replicas_doc(view) if r["state"] != "draining"]
+    replica needs, and why the replicas that cannot run cannot (the plan's reasons).
+    ``replicas_of_view``: the view's ``replicas_doc``, when the caller has built it already."""
+    if replicas_of_view is None:
+        replicas_of_view = replicas_doc(view)
+    replicas = [r for r in replicas_of_view if r["state"] != "draining"]
     out = []
     for name in sorted(view.models):
         cfg = view.models[name]
@@ -334,9 +339,13 @@ def model_doc(view: ControlView, model: str) -> dict[str, Any]:
     return doc
 
 
-def _fleet_html(view: ControlView) -> str:
-    """The fleet page's live part from one view, through the same documents ``ctl`` reads."""
-    return page.fleet_html(nodes_doc(view), models_doc(view), replicas_doc(view))
+async def _fleet_html(view: ControlView) -> str:
+    """The fleet page's live part from one view, through the same documents ``ctl`` reads: built
+    here, on the trio thread (the view is live), and made HTML in a worker thread (at 2,000 nodes
+    the documents take about 0.35 s and the HTML another 0.1 s)."""
+    replicas = replicas_doc(view)
+    nodes, models = nodes_doc(view), models_doc(view, replicas)
+    return await trio.to_thread.run_sync(page.fleet_html, nodes, models, replicas)
 
 
 def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
@@ -624,13 +633,13 @@ def make_app(
             elif method == "GET" and parts == []:
                 try:  # the fleet's data only for a request that may read it (see control.page)
                     checked.check(method, ["fleet"], headers, client[0] if client else None)
-                    shown = _fleet_html(query.view())
+                    shown = await _fleet_html(query.view())
                 except ApiError:
                     shown = None
                 raw = page.page_html(shown, tokens=checked.has_tokens), page.CONTENT_TYPE
                 extra.extend(page.HEADERS)
             elif method == "GET" and parts == ["fleet"]:
-                raw = _fleet_html(query.view()).encode(), page.CONTENT_TYPE
+                raw = (await _fleet_html(query.view())).encode(), page.CONTENT_TYPE
                 extra.extend(page.HEADERS)
             elif method == "GET" and parts == ["metrics"]:
                 data, ctype = await fleet_metrics.scrape(query.view(), headers.get(b"accept", b"").decode())

@@ -33,8 +33,11 @@ from typing import Any
 
 #: Lines of a failed engine's output shown under its shard (the API keeps the agent's tail).
 TAIL_LINES = 20
-#: How often the page fetches ``/fleet``, in milliseconds.
+#: How often the page fetches ``/fleet``, in milliseconds: at least this, and ten times what the
+#: last fetch took, so that a big fleet's page costs the control plane at most a tenth of its time.
 REFRESH_MS = 2000
+#: Rows the nodes and shards tables show at most (those not ready first); ``ctl get`` lists all.
+MAX_ROWS = 300
 
 CONTENT_TYPE = b"text/html; charset=utf-8"
 
@@ -111,8 +114,9 @@ _SCRIPT = """
     refresh();
   });
   (async function loop() {
+    const started = performance.now();
     await refresh();
-    setTimeout(loop, REFRESH_MS);
+    setTimeout(loop, Math.max(REFRESH_MS, 10 * (performance.now() - started)));
   })();
 })();
 """.replace("REFRESH_MS", str(REFRESH_MS))
@@ -203,29 +207,27 @@ def _model_row(m: Mapping[str, Any]) -> str:
     )
 
 
-def _shard_rows(r: Mapping[str, Any]) -> Iterable[str]:
-    for s in r.get("shards", ()):
-        leaving = "" if s.get("placed", True) else ' <span class="why">(leaving)</span>'
-        retry = s.get("retry_in_s")
-        failures = int(s.get("failures", 0))
-        restarts = (
-            f"{failures} failure(s)" + (f", retry in {_ago(retry)}" if retry else "") if failures else ""
-        )
-        error = s.get("error", "")
-        yield (
-            f"<tr><td>{_e(r.get('model', ''))}</td><td>{_e(s.get('shard_id', ''))}</td>"
-            f"<td>{_state(str(s.get('state', '')))}"
-            f"{leaving}</td>"
-            f"<td>{_e(s.get('node_id', ''))} {_state(str(s.get('node_state', '')))}</td>"
-            f'<td class="num">{_e(s.get("pid") or "-")}</td>'
-            f'<td class="num">{_e(",".join(str(g) for g in s.get("gpus", ())) or "-")}</td>'
-            f'<td class="num">{_e(s.get("port") or "-")}</td>'
-            f'<td class="why">{_e(restarts)}{"<br>" if restarts and error else ""}{_e(error)}</td></tr>'
-        )
-        tail = list(s.get("output_tail", ()))[-TAIL_LINES:]
-        if tail and s.get("state") in ("failed", "unhealthy", "stopped"):
-            text = "\n".join(str(line) for line in tail)
-            yield f'<tr><td></td><td colspan="7"><pre class="tail">{_e(text)}</pre></td></tr>'
+def _shard_rows(r: Mapping[str, Any], s: Mapping[str, Any]) -> Iterable[str]:
+    """A shard's row, and the last lines of its engine's output under it when it failed."""
+    leaving = "" if s.get("placed", True) else ' <span class="why">(leaving)</span>'
+    retry = s.get("retry_in_s")
+    failures = int(s.get("failures", 0))
+    restarts = f"{failures} failure(s)" + (f", retry in {_ago(retry)}" if retry else "") if failures else ""
+    error = s.get("error", "")
+    yield (
+        f"<tr><td>{_e(r.get('model', ''))}</td><td>{_e(s.get('shard_id', ''))}</td>"
+        f"<td>{_state(str(s.get('state', '')))}"
+        f"{leaving}</td>"
+        f"<td>{_e(s.get('node_id', ''))} {_state(str(s.get('node_state', '')))}</td>"
+        f'<td class="num">{_e(s.get("pid") or "-")}</td>'
+        f'<td class="num">{_e(",".join(str(g) for g in s.get("gpus", ())) or "-")}</td>'
+        f'<td class="num">{_e(s.get("port") or "-")}</td>'
+        f'<td class="why">{_e(restarts)}{"<br>" if restarts and error else ""}{_e(error)}</td></tr>'
+    )
+    tail = list(s.get("output_tail", ()))[-TAIL_LINES:]
+    if tail and s.get("state") in ("failed", "unhealthy", "stopped"):
+        text = "\n".join(str(line) for line in tail)
+        yield f'<tr><td></td><td colspan="7"><pre class="tail">{_e(text)}</pre></td></tr>'
 
 
 def fleet_html(
@@ -248,15 +250,20 @@ def fleet_html(
         f"{_e(', '.join(f'{c} {s}' for s, c in sorted(states.items())) or 'none')} · "
         f"GPUs in use {used}/{gpus} · replicas ready {ready}/{wanted}</p>"
     )
+    # Problems first, then the rest in the documents' order, up to MAX_ROWS each.
+    nodes_shown = sorted(nodes, key=lambda n: n.get("state") == "ready")[:MAX_ROWS]
+    shards = [(r, s) for r in replicas for s in r.get("shards", ())]
+    shards_shown = sorted(shards, key=lambda rs: rs[1].get("state") == "ready")[:MAX_ROWS]
     return (
         summary
         + "<h2>Nodes</h2>"
         + _table(
             "nodes",
             ("node", "state", "GPUs used/total", "fabrics", "heartbeat", "address", "engines"),
-            (_node_row(n) for n in nodes),
+            (_node_row(n) for n in nodes_shown),
             "No node has registered yet: start an agent with --server pointing at this control plane.",
         )
+        + _more(len(nodes) - len(nodes_shown), "nodes", "ctl get nodes")
         + "<h2>Models</h2>"
         + _table(
             "models",
@@ -268,9 +275,19 @@ def fleet_html(
         + _table(
             "shards",
             ("model", "shard", "state", "node", "pid", "GPUs", "port", "failures / error"),
-            (row for r in replicas for row in _shard_rows(r)),
+            (row for r, shard in shards_shown for row in _shard_rows(r, shard)),
             "No replica is placed.",
         )
+        + _more(len(shards) - len(shards_shown), "shards", "ctl get replicas")
+    )
+
+
+def _more(hidden: int, what: str, command: str) -> str:
+    return (
+        f'<p class="none" id="more-{_e(what)}">and {hidden} more {_e(what)} (those not ready are shown '
+        f"first): {_e(command)} lists them all</p>"
+        if hidden > 0
+        else ""
     )
 
 
@@ -294,4 +311,13 @@ def page_html(fleet: str | None, *, tokens: bool) -> bytes:
     ).encode()
 
 
-__all__ = ["CONTENT_TYPE", "CSP", "HEADERS", "REFRESH_MS", "TAIL_LINES", "fleet_html", "page_html"]
+__all__ = [
+    "CONTENT_TYPE",
+    "CSP",
+    "HEADERS",
+    "MAX_ROWS",
+    "REFRESH_MS",
+    "TAIL_LINES",
+    "fleet_html",
+    "page_html",
+]

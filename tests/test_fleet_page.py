@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from control.page import CSP, fleet_html, page_html
+from control.page import CSP, MAX_ROWS, fleet_html, page_html
 from tests.fleet_procs import Agent, ControlProcess, free_port, poll
 
 TAG = f"p{os.getpid()}"
@@ -83,6 +83,21 @@ def test_node_supplied_strings_are_text_not_markup() -> None:
     page = page_html(out, tokens=False).decode()
     # Exactly one script: the page's own, allowed by its hash in the CSP; no inline handler.
     assert page.count("<script>") == 1 and "'unsafe-inline'" not in CSP
+
+
+def test_a_big_fleet_shows_its_problems_first_and_a_bounded_page() -> None:
+    def node(i: int, state: str) -> dict[str, Any]:
+        return {"node_id": f"gpu{i:04d}", "state": state, "gpus": 8, "gpus_free": 8}
+
+    nodes = [node(i, "ready") for i in range(1000)] + [node(1000, "unreachable")]
+    shards = [{"shard_id": f"s{i}", "state": "ready", "node_id": "gpu0001"} for i in range(999)]
+    shards.append({"shard_id": "s-bad", "state": "failed", "node_id": "gpu0001", "output_tail": ["boom"]})
+    out = fleet_html(nodes, [], [{"model": "chat", "shards": shards}])
+    assert out.count("<tr><td>gpu") == MAX_ROWS and "gpu1000" in out
+    assert f"and {1001 - MAX_ROWS} more nodes" in out and f"and {1000 - MAX_ROWS} more shards" in out
+    assert "s-bad" in out and "boom" in out
+    # The summary still counts the whole fleet.
+    assert "1001 node(s): 1000 ready, 1 unreachable" in out and "GPUs in use 0/8008" in out
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------
