@@ -14,8 +14,8 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-PACKAGES = ["schema", "agent", "control", "router"]
-CHECKED = [*PACKAGES, "demo", "bench", "enginebuild"]
+PACKAGES = ["schema", "transport", "telemetry", "agent", "control", "router"]
+CHECKED = [*PACKAGES, "demo", "bench", "enginebuild", "tools"]
 
 
 @nox.session(python="3.11")

@@ -114,7 +114,12 @@ def test_a_real_agent_serves_health_and_metrics_that_move(tmp_path: Path) -> Non
             samples[("llmgw_agent_session_since_seconds", ())]
             > first[("llmgw_agent_session_since_seconds", ())]
         )
-        assert samples[("llmgw_agent_session_attempts_total", ())] >= 2
+        # The next attempt starts after a jittered backoff: it is counted when it starts.
+        poll(
+            "a second connection attempt counted",
+            lambda: scrape(port)[("llmgw_agent_session_attempts_total", ())] >= 2,
+            timeout=30,
+        )
         assert samples[("llmgw_agent_engines", (("state", "ready"),))] == 1  # engines keep serving
 
         # Not a route: 404 naming the two that are.

@@ -397,9 +397,9 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
     from a copy, so setuptools' build/ folder lands in tmp_path, not in the checkout."""
     tree = tmp_path / "tree"
     tree.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, tree / name)
-    for package in ("schema", "agent", "control"):
+    for package in ("schema", "transport", "telemetry", "agent", "control", "router"):
         shutil.copytree(REPO / package, tree / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     done = subprocess.run(
         [

@@ -21,9 +21,7 @@ from schema.rpc import (
 
 
 def test_generated_messages_are_fresh() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.protogen", "--check"], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "tools.protogen", "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
