@@ -15,6 +15,13 @@ of a ``ControlView`` (what the plane knows at one instant), and the writes go th
     GET  /api/replicas              every placed replica and its shards' observed states
     GET  /api/models                every model: replicas wanted, placed and ready, and why not placed
     GET  /api/models/MODEL          MODEL's replicas (as why), and its shards' recent events
+    POST /api/models                create or update models: {"toml": "[[models]] ...", "source":
+                                    "model.toml"}, the same keys as llmgw.toml's [[models]] (400
+                                    naming the key and line); one change per model (created,
+                                    configured, unchanged)
+    PUT  /api/models/MODEL/replicas {"replicas": N} (also POST /api/models/MODEL/scale)
+    DELETE /api/models/MODEL        drain and stop MODEL's replicas, then forget it (409 for a model
+                                    llmgw.toml defines, or one being deleted for a scale or apply)
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
     GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
                                     (&previous=1: the run before its last restart; &after=OFFSET:
@@ -59,12 +66,12 @@ from hypercorn.trio import serve
 
 import schema
 from control import page
-from control.config import AdminApi
+from control.config import AdminApi, ConfigError, parse_models
 from control.events import Event
 from control.fleet import LIVE_SHARD_STATES, Node
 from control.fleetmetrics import FleetMetrics
 from control.placement import model_name_of
-from control.query import ControlQuery, ControlView, DrainRefused, engine_views
+from control.query import CatalogConflict, Change, ControlQuery, ControlView, DrainRefused, engine_views
 from control.transport import ServerTLS
 
 log = logging.getLogger("llmgw.control.api")
@@ -261,6 +268,7 @@ def models_doc(
     for name in sorted(view.models):
         cfg = view.models[name]
         mine = [r for r in replicas if r["model"] == name]
+        entry = view.catalog.get(name)
         out.append(
             {
                 "model": name,
@@ -272,9 +280,97 @@ def models_doc(
                 "gpus_per_shard": cfg.gpus.count,
                 "nodes_per_replica": cfg.nodes_per_replica,
                 "unplaced": [u.reason for u in view.plan.unplaced if u.model == name],
+                # The catalog's: +1 on every change of the definition or replicas (control.catalog),
+                # where the definition in force came from (file, api), and whether it is deleted.
+                "generation": entry.generation if entry else 0,
+                "source": entry.source.value if entry else "",
+                "in_file": entry is not None and entry.file_definition is not None,
+                "deleting": entry.deleting if entry else False,
             }
         )
     return out
+
+
+#: The largest request body the API reads (an apply of many models is some KB).
+MAX_BODY = 1 << 20
+
+
+async def read_json_body(receive: Receive) -> Any:
+    """The request's JSON body (bounded by ``MAX_BODY``); ``ApiError`` 400/413 naming what is wrong."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ApiError(400, "the client went away before its request body arrived")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"request body over {MAX_BODY} bytes; send fewer models at a time")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not JSON: {exc}") from exc
+
+
+def change_doc(change: Change) -> dict[str, Any]:
+    """One model's change, with kubectl's line (``model/chat configured``)."""
+    return {
+        "model": change.name,
+        "action": change.action.value,
+        "generation": change.generation,
+        "line": str(change),
+    }
+
+
+async def apply_models(query: ControlQuery, body: Any) -> dict[str, Any]:
+    """``POST /api/models``: ``{"toml": TEXT, "source": NAME}``, parsed in a worker thread with
+    llmgw.toml's own rules (``control.config.parse_models``), so errors name the key and the line."""
+    if not isinstance(body, dict) or not isinstance(body.get("toml"), str):
+        raise ApiError(400, 'POST /api/models wants {"toml": "<[[models]] tables>", "source": "FILE"}')
+    source = str(body.get("source") or "<request>")[:200]
+    try:
+        models = await trio.to_thread.run_sync(parse_models, body["toml"], source)
+    except ConfigError as exc:
+        raise ApiError(400, str(exc)) from exc
+    try:
+        changes = await query.apply_models(list(models))
+    except CatalogConflict as exc:
+        raise ApiError(409, str(exc)) from exc
+    return {"changes": [change_doc(c) for c in changes]}
+
+
+async def scale_model(query: ControlQuery, name: str, body: Any) -> dict[str, Any]:
+    """``PUT /api/models/MODEL/replicas``: ``{"replicas": N}``."""
+    replicas = body.get("replicas") if isinstance(body, dict) else None
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ApiError(
+            400, f'scale {name}: want {{"replicas": N}} with N a whole number, 0 or more, got {replicas!r}'
+        )
+    try:
+        change = await query.scale_model(name, replicas)
+    except KeyError as exc:
+        raise ApiError(404, str(exc.args[0])) from exc
+    except CatalogConflict as exc:
+        raise ApiError(409, str(exc)) from exc
+    return change_doc(change)
+
+
+async def delete_model(query: ControlQuery, name: str) -> dict[str, Any]:
+    """``DELETE /api/models/MODEL``."""
+    try:
+        change = await query.delete_model(name)
+    except KeyError as exc:
+        raise ApiError(404, str(exc.args[0])) from exc
+    except CatalogConflict as exc:
+        raise ApiError(409, str(exc)) from exc
+    return change_doc(change)
 
 
 #: Events a node's or a model's document shows, the newest (``control.events`` keeps 50 a node, 20 a shard).
@@ -335,7 +431,11 @@ def model_doc(view: ControlView, model: str) -> dict[str, Any]:
     doc["engine"] = cfg.profile.engine
     placed = {s["shard_id"] for r in doc["placed"] for s in r["shards"]}
     shard_ids = [*placed, *view.events.shards_of(lambda rid: model_name_of(rid) == model)]
-    doc["events"] = events_doc(view, view.events.for_shards(shard_ids)[-EVENTS_SHOWN:])
+    # The model's own events (created, configured, scaled, deleting) with its shards', in order.
+    events = sorted(
+        [*view.events.for_node(f"model/{model}"), *view.events.for_shards(shard_ids)], key=lambda e: e.seq
+    )
+    doc["events"] = events_doc(view, events[-EVENTS_SHOWN:])
     return doc
 
 
@@ -654,6 +754,16 @@ def make_app(
                 body = node_doc(query.view(), parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "models"]:
                 body = model_doc(query.view(), parts[2])
+            elif method == "POST" and parts == ["api", "models"]:
+                body = await apply_models(query, await read_json_body(receive))
+            elif (
+                len(parts) == 4
+                and parts[:2] == ["api", "models"]
+                and (method, parts[3]) in (("PUT", "replicas"), ("POST", "scale"))
+            ):
+                body = await scale_model(query, parts[2], await read_json_body(receive))
+            elif method == "DELETE" and len(parts) == 3 and parts[:2] == ["api", "models"]:
+                body = await delete_model(query, parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "why"]:
                 body = why_doc(query.view(), parts[2])
             elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "logs"]:

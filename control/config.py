@@ -592,7 +592,7 @@ class ControlConfig:
                     f"duplicate name {m.name!r} (models[{first[m.name]}] has it too); each model needs its own",
                 )
             first[m.name] = i
-        if not self.models and not self.listen.router:
+        if not self.runs_control_plane and not self.listen.router:
             raise FieldProblem(
                 ("listen", "router"),
                 "is empty, but a catalog without [[models]] is a router-only run: give the router an "
@@ -625,8 +625,9 @@ class ControlConfig:
 
     @property
     def runs_control_plane(self) -> bool:
-        """A catalog with any profile runs a control plane; static endpoints alone are router-only."""
-        return bool(self.models)
+        """A catalog with any profile runs a control plane; static endpoints alone are router-only.
+        A file with neither runs a control plane whose models come from ``ctl apply``."""
+        return bool(self.models) or not self.endpoints
 
 
 def _converter() -> cattrs.Converter:
@@ -797,3 +798,70 @@ def read(path: Path) -> str:
 
 def load(path: Path) -> ControlConfig:
     return parse(read(path), str(path))
+
+
+@attrs.frozen
+class ModelsFile:
+    """What ``ctl apply -f`` sends: one or more ``[[models]]`` tables, nothing else."""
+
+    models: tuple[ModelConfig, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        first: dict[str, int] = {}
+        for i, m in enumerate(self.models):
+            if m.name in first:
+                raise FieldProblem(
+                    ("models", i, "name"),
+                    f"duplicate name {m.name!r} (models[{first[m.name]}] has it too); each model once",
+                )
+            first[m.name] = i
+
+
+def parse_models(text: str, source: str = "<models>") -> tuple[ModelConfig, ...]:
+    """The ``[[models]]`` tables of TOML text (``ctl apply -f``), checked as ``llmgw.toml``'s are:
+    every problem names its key and the key's line in ``source``. Any other top-level key is refused,
+    naming it: server settings live in the control plane's own llmgw.toml, not in an apply."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+    lines = _key_lines(text)
+    others = sorted(k for k in data if k != "models")
+    if others:
+        line = lines.get((others[0],))
+        what = (
+            "a server setting: it belongs in the control plane's llmgw.toml"
+            if others[0] in attrs.fields_dict(ControlConfig)
+            else "unknown key"
+        )
+        raise ConfigError(
+            f"{dotted((others[0],))}: {what}, not in an apply, which takes [[models]] tables only "
+            f"({source}{f' line {line}' if line else ''})"
+        )
+    if not data.get("models"):
+        raise ConfigError(f"{source}: no [[models]] table; write one or more, as in llmgw.toml")
+    try:
+        return _converter().structure(data, ModelsFile).models
+    except (cattrs.BaseValidationError, ValueError) as exc:
+        found = sorted(_problems(exc, ()), key=lambda p: _line_of(lines, p[0]) or 0)
+        problems = [_describe(path, message, source, lines) for path, message in found]
+        if len(problems) == 1:
+            raise ConfigError(problems[0]) from exc
+        heading = f"{len(problems)} problems in {source}:"
+        raise ConfigError("\n  ".join([heading, *problems])) from exc
+
+
+def model_from_dict(data: object, where: str) -> ModelConfig:
+    """A model definition kept as a plain document (the control plane's state file), checked as
+    the file's are; ``ValueError`` naming ``where`` and the key when it is not one."""
+    try:
+        return _converter().structure(data, ModelConfig)
+    except (cattrs.BaseValidationError, ValueError) as exc:
+        found = [f"{dotted(path) or 'model'}: {message}" for path, message in _problems(exc, ())]
+        raise ValueError(f"{where}: {'; '.join(found)}") from exc
+
+
+def model_to_dict(model: ModelConfig) -> dict[str, Any]:
+    """``model`` as a plain JSON-able document (what ``model_from_dict`` reads back)."""
+    doc: dict[str, Any] = cattrs.Converter().unstructure(model)
+    return doc

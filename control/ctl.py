@@ -159,7 +159,7 @@ def model_rows(docs: dict[str, Any], wide: bool) -> tuple[list[str], list[list[s
     """``get models``: per model, replicas wanted, placed and ready (kubectl's READY is ready/wanted)."""
     header = ["NAME", "READY", "PLACED", "WANTED"]
     if wide:
-        header += ["ENGINE", "SERVED-AS", "GPUS/SHARD", "NODES/REPLICA", "REASON"]
+        header += ["ENGINE", "SERVED-AS", "GPUS/SHARD", "NODES/REPLICA", "GENERATION", "SOURCE", "REASON"]
     rows = []
     for m in docs["models"]:
         row = [
@@ -174,10 +174,21 @@ def model_rows(docs: dict[str, Any], wide: bool) -> tuple[list[str], list[list[s
                 m["served_model_name"],
                 str(m["gpus_per_shard"]),
                 str(m["nodes_per_replica"]),
-                (m["unplaced"][0] if m["unplaced"] else "-"),
+                str(m.get("generation") or "-"),
+                _model_source(m),
+                "deleting: its engines drain and stop"
+                if m.get("deleting")
+                else (m["unplaced"][0] if m["unplaced"] else "-"),
             ]
         rows.append(row)
     return header, rows, set()
+
+
+def _model_source(m: dict[str, Any]) -> str:
+    """Where the definition in force came from (``file``, ``api``), and ``api (in file)`` when a
+    model the file defines was changed by ctl since (the file wins again when its definition changes)."""
+    source = str(m.get("source") or "-")
+    return f"{source} (in file)" if source == "api" and m.get("in_file") else source
 
 
 #: Per kind: the API documents it needs (wide needs more, to join engines and versions), the row
@@ -493,6 +504,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[argparse.ArgumentParse
         help="the engine's output before its last (re)start, instead of the current run's (with -f: "
         "printed once, nothing followed)",
     )
+    _add_model_verbs(verb)
     verb("nodes", "every node in one wide table: state and why, auth, GPUs free/total, fabrics, engines")
     verb("replicas", "every shard of every replica in one table: node, state, GPUs, URL, rank, errors")
     verb("why", "why MODEL's replicas are placed where they are, or why they cannot run").add_argument(
@@ -534,6 +546,61 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[argparse.ArgumentParse
     return parser, verbs
 
 
+def _count(text: str) -> int:
+    """A replica count: a whole number, 0 or more (argparse turns the ValueError into exit 2)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+_count.__name__ = "replica count (0 or more)"
+
+
+def _add_model_verbs(verb: Callable[..., argparse.ArgumentParser]) -> None:
+    """``apply``, ``scale`` and ``delete``: models as objects (``control.catalog``)."""
+    apply = verb(
+        "apply",
+        "create or update models from a file of [[models]] tables (-f FILE, - for stdin)",
+        "Create or update one or more models from TOML [[models]] tables: the same keys as "
+        "llmgw.toml's [[models]], checked by the control plane with the same rules (a problem names "
+        "the key and its line in FILE, and nothing is changed). Prints one line per model: "
+        "model/NAME created, configured or unchanged.\n\n"
+        "A model applied here stays across restarts. A model llmgw.toml also defines keeps what "
+        "apply made of it until its [[models]] table in the file changes: then the file wins "
+        "(README: Models as objects).",
+    )
+    apply.add_argument(
+        "-f",
+        "--filename",
+        dest="file",
+        required=True,
+        metavar="FILE",
+        help="the TOML file with [[models]] tables; - reads standard input",
+    )
+    scale = verb(
+        "scale",
+        "set a model's replica count (0 stops every replica, the model stays)",
+        "Set MODEL's replica count. Replicas added are placed and started; replicas taken away are "
+        "stopped, the highest-numbered first. Prints model/NAME scaled (or unchanged).",
+    )
+    scale.add_argument("model", help="the model name (ctl get models lists them)")
+    scale.add_argument("replicas", type=_count, metavar="N", help="the number of replicas, 0 or more")
+    delete = verb(
+        "delete",
+        "delete a model: its replicas drain and stop, then it is gone",
+        "Delete MODEL: its replicas are drained (the router sends them nothing new, requests under "
+        "way finish) and stopped, then the model leaves the catalog and the router answers 404 for "
+        "it. A model llmgw.toml defines is refused (it would come back at the next start): remove it "
+        "from the file and send the control plane SIGHUP.",
+    )
+    delete.add_argument("model", help="the model name, or model/NAME")
+    delete.add_argument("--wait", action="store_true", help="wait until the model is gone, showing progress")
+    delete.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
+    )
+
+
 class Api:
     """The admin API as ``ctl`` reads it: GETs and POSTs that either return the JSON document or
     raise ``CtlFailed`` with one line naming the method, URL and reason."""
@@ -542,12 +609,13 @@ class Api:
         self.base = base.rstrip("/")
         self.http = http
 
-    def request(self, method: str, path: str) -> Any:
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         url = self.base + path
         try:
             # Writes carry a JSON body: the API refuses any other content type for them (see
             # control/api.py: ApiGuard, why a browser's text/plain POST must not get through).
-            resp = httpx.request(method, url, json={} if method == "POST" else None, **self.http)
+            payload = body if body is not None or method == "GET" else {}
+            resp = httpx.request(method, url, json=payload, **self.http)
         except httpx.HTTPError as exc:
             reason = " ".join(str(exc).split()) or type(exc).__name__
             raise CtlFailed(
@@ -557,11 +625,14 @@ class Api:
         try:
             doc = resp.json()
         except ValueError:
-            body = " ".join(resp.text[:200].split())
-            raise CtlFailed(f"ctl: {method} {url}: HTTP {resp.status_code} without JSON: {body}") from None
+            text = " ".join(resp.text[:200].split())
+            raise CtlFailed(f"ctl: {method} {url}: HTTP {resp.status_code} without JSON: {text}") from None
         if resp.status_code != 200:
             error = doc.get("error") if isinstance(doc, dict) else None
-            reason = " ".join(str(error or resp.text[:200]).split())
+            # One line per line of the server's message (an apply's several problems stay a list).
+            reason = "\n  ".join(
+                " ".join(line.split()) for line in str(error or resp.text[:200]).splitlines()
+            )
             raise CtlFailed(f"ctl: {method} {url}: HTTP {resp.status_code}: {reason}")
         return doc
 
@@ -674,6 +745,8 @@ def ctl(argv: Sequence[str]) -> int:
             return run_describe(api, args)
         if args.command == "logs":
             return run_logs(api, args)
+        if args.command in MODEL_VERBS:
+            return MODEL_VERBS[args.command](api, args)
         return run_verb(api, args, http)
     except CtlFailed as exc:
         print(str(exc), file=sys.stderr, flush=True)
@@ -685,6 +758,68 @@ def ctl(argv: Sequence[str]) -> int:
         # Python's own complaint when it flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def run_apply(api: Api, args: argparse.Namespace) -> int:
+    """``apply -f FILE``: the file's text goes to the control plane, which parses it (the server's
+    rules, so the errors are the ones llmgw.toml gets); one line per model comes back."""
+    source = "<stdin>" if args.file == "-" else args.file
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CtlFailed(f"ctl: apply -f {source}: cannot read it: {reason}") from None
+    try:
+        doc = api.request("POST", "/api/models", {"toml": text, "source": source})
+    except CtlFailed as exc:
+        raise CtlFailed(f"ctl: apply -f {source}: {str(exc).removeprefix('ctl: ')}") from None
+    if args.output == "json":
+        print(json.dumps(doc, indent=2), flush=True)
+    elif args.output == "name":
+        print("\n".join(f"model/{c['model']}" for c in doc["changes"]), flush=True)
+    else:
+        print("\n".join(c["line"] for c in doc["changes"]), flush=True)
+    return 0
+
+
+def run_scale(api: Api, args: argparse.Namespace) -> int:
+    doc = api.request("PUT", f"/api/models/{args.model}/replicas", {"replicas": args.replicas})
+    print(json.dumps(doc, indent=2) if args.output == "json" else doc["line"], flush=True)
+    return 0
+
+
+def run_delete(api: Api, args: argparse.Namespace) -> int:
+    """``delete MODEL``: marked deleting at once; ``--wait`` polls until it has left the catalog."""
+    name = args.model.removeprefix("model/").removeprefix("models/")
+    doc = api.request("DELETE", f"/api/models/{name}")
+    print(json.dumps(doc, indent=2) if args.output == "json" else doc["line"], flush=True)
+    if not args.wait:
+        return 0
+    deadline = time.monotonic() + args.timeout
+    last = ""
+    while True:
+        model = next((m for m in api.get("/api/models") if m["model"] == name), None)
+        if model is None:
+            print(f"model/{name} deleted", flush=True)
+            return 0
+        line = (
+            f"model/{name}: {model['replicas_placed']} replica(s) placed, "
+            f"{model['replicas_ready']} ready; waiting for its engines to stop"
+        )
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if time.monotonic() >= deadline:
+            raise CtlFailed(f"ctl: delete {name}: not gone after {args.timeout:g} s; {line}")
+        time.sleep(min(POLL_SECONDS / 2, max(deadline - time.monotonic(), 0.0)))
+
+
+#: The verbs on models as objects, each a function of the API and the parsed arguments.
+MODEL_VERBS: dict[str, Callable[[Api, argparse.Namespace], int]] = {
+    "apply": run_apply,
+    "scale": run_scale,
+    "delete": run_delete,
+}
 
 
 def run_verb(api: Api, args: argparse.Namespace, http: dict[str, Any]) -> int:

@@ -38,6 +38,9 @@ class Kind(enum.StrEnum):
     SHARD = "shard"
     #: The reconciler sent a command for a shard (start, stop, drain).
     COMMAND = "command"
+    #: A model in the catalog was created, configured, scaled or deleted (``control.catalog``); its
+    #: ``node_id`` is the object's name, ``model/NAME``, so ``for_node`` finds a model's events too.
+    MODEL = "model"
 
 
 @attrs.frozen

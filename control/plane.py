@@ -36,9 +36,10 @@ import trio
 import schema
 from control.agentsvc import AgentService
 from control.api import serve_api
+from control.catalog import Action, Catalog, Change
 from control.config import ControlConfig, Listen, ModelConfig
 from control.events import Event, EventLog, Kind
-from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, Transition
+from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.fleetmetrics import FleetMetrics
 from control.placement import (
     GpuView,
@@ -146,7 +147,11 @@ class ControlPlane:
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
-        self.models: dict[str, ModelConfig] = {m.name: m for m in config.models}
+        #: The desired models (``control.catalog``): the file's ``[[models]]`` at first, the saved
+        #: catalog merged with the file once ``run`` has read the state file, ``ctl`` since.
+        self.catalog = Catalog()
+        self.catalog.apply_file(config.models)
+        self._models: tuple[int, Mapping[str, ModelConfig]] = (-1, MappingProxyType({}))
         live = config.liveness
         #: The last transitions of every node and shard, for ``ctl describe`` (``control.events``).
         self.events = EventLog()
@@ -189,6 +194,16 @@ class ControlPlane:
         self.metrics = FleetMetrics()
         #: Loaded by ``run`` (or set by a test); while empty, shards get no key.
         self.shard_key_secret = b""
+
+    @property
+    def models(self) -> Mapping[str, ModelConfig]:
+        """The catalog's models by name, as placement sees them (a deleting one has replicas 0)."""
+        if self._models[0] != self.catalog.revision:
+            self._models = (
+                self.catalog.revision,
+                MappingProxyType({m.name: m for m in self.catalog.models()}),
+            )
+        return self._models[1]
 
     def key_for(self, shard_id: str, engine: str) -> str:
         """The key of one shard, for its StartShard and the router; empty for an engine with no key
@@ -321,6 +336,84 @@ class ControlPlane:
         self.poke()
         return lines
 
+    # -- the catalog: ctl apply, scale, delete, and the file on SIGHUP --------------------------------
+
+    def _log_changes(self, changes: list[Change], why: str) -> None:
+        """Log and record each change that changed something (``model/chat configured (file)``)."""
+        for change in changes:
+            if change.action is Action.UNCHANGED:
+                continue
+            log.info("%s (%s)", change, why)
+            self._event(
+                Kind.MODEL,
+                f"model/{change.name}",
+                new=change.action.value,
+                reason=f"{change} by {why} (generation {change.generation})",
+            )
+
+    async def _catalog_changed(self, changes: list[Change], why: str) -> None:
+        """Log, record, save (on disk before the caller answers) and wake the reconciler."""
+        self._log_changes(changes, why)
+        if any(c.action is not Action.UNCHANGED for c in changes):
+            await self.save()
+            self.poke()
+
+    async def apply_models(self, models: list[ModelConfig]) -> list[Change]:
+        """``ctl apply``: create or update each model (``control.catalog.Catalog.apply``)."""
+        changes = self.catalog.apply(models)
+        await self._catalog_changed(changes, "ctl apply")
+        return changes
+
+    async def scale_model(self, name: str, replicas: int) -> Change:
+        """``ctl scale``: ``KeyError`` for an unknown model, ``CatalogConflict`` for a deleting one."""
+        change = self.catalog.scale(name, replicas)
+        await self._catalog_changed([change], f"ctl scale to {replicas}")
+        return change
+
+    async def delete_model(self, name: str) -> Change:
+        """``ctl delete``: the model's replicas go to 0 (drained and stopped), then it leaves the
+        catalog (``_finish_deletes``). ``CatalogConflict`` for a model llmgw.toml defines."""
+        change = self.catalog.delete(name)
+        await self._catalog_changed([change], "ctl delete")
+        return change
+
+    async def reload_config(self, config: ControlConfig) -> list[Change]:
+        """SIGHUP: apply the file's ``[[models]]`` by the file rule; every other setting that
+        changed is named in a warning, since it takes effect at the next start only."""
+        changed = [
+            a.name
+            for a in attrs.fields(ControlConfig)
+            if a.name != "models" and getattr(config, a.name) != getattr(self.config, a.name)
+        ]
+        if changed:
+            log.warning(
+                "llmgw.toml: %s changed; that takes effect at the next start of the control plane "
+                "(only [[models]] are applied on SIGHUP)",
+                ", ".join(changed),
+            )
+        self.config = attrs.evolve(self.config, models=config.models)
+        changes = self.catalog.apply_file(config.models)
+        await self._catalog_changed(changes, "file")
+        if not any(c.action is not Action.UNCHANGED for c in changes):
+            log.info("llmgw.toml re-read: no model changed")
+        return changes
+
+    def _finish_deletes(self) -> None:
+        """Remove deleted models that nothing runs any more: no placement and no live shard on any
+        node that is not lost (a lost node's engines are presumed gone with it)."""
+        deleting = [e.name for e in self.catalog.entries() if e.deleting]
+        if not deleting:
+            return
+        running = {r.model for r in self.placements}
+        running |= {
+            model_name_of(st.replica_id)
+            for n in self.fleet.nodes.values()
+            if n.state is not NodeState.LOST
+            for st in n.shards.values()
+            if st.state in LIVE_SHARD_STATES
+        }
+        self._log_changes(self.catalog.finish_deletes(running), "the reconciler: no shard of it is left")
+
     async def _plan_without(self, node_id: str) -> Plan:
         """The plan placement would make with ``node_id`` draining as well (nothing is changed)."""
         draining = {n.node_id for n in self.fleet.nodes.values() if n.draining} | {node_id}
@@ -347,7 +440,7 @@ class ControlPlane:
                 engine=m.profile.engine,
                 engine_version=m.profile.engine_version,
             )
-            for m in self.config.models
+            for m in self.catalog.models()
         ]
 
     def node_views(self) -> list[NodeView]:
@@ -413,7 +506,7 @@ class ControlPlane:
             if not any(s.node_id in draining for s in r.shards)
         )
         views = self.node_views()
-        key = (tuple(views), current)
+        key = (tuple(views), current, self.catalog.revision)
         if key != self._plan_key:
             self.plan = await trio.to_thread.run_sync(place, self.model_specs(), views, current)
             self._plan_key = key
@@ -478,6 +571,7 @@ class ControlPlane:
         live = [(s.node_id, s.shard_id) for r in plan.replicas for s in r.shards]
         live += [(n.node_id, sid) for n in self.fleet.nodes.values() for sid in n.shards]
         self.reconciler.forget(live)
+        self._finish_deletes()
         self.build_routes()
         await self.save()
 
@@ -486,7 +580,7 @@ class ControlPlane:
     async def save(self) -> None:
         """Write what a restart needs (``control.state``), when it changed; fsynced before it returns."""
         await self._saver.save(
-            self.fleet.generation, self.fleet.nodes.values(), self.placements, self.fleet.cordons
+            self.fleet.generation, self.fleet.nodes.values(), self.placements, self.fleet.cordons, self.catalog
         )
 
     async def save_now(self) -> None:
@@ -525,6 +619,10 @@ class ControlPlane:
         for line in saved.skipped:
             log.warning("%s", line)
         self.fleet.cordons.update(saved.cordons)
+        if saved.catalog is not None:
+            # The saved catalog, then the file's [[models]] by the file rule (control.catalog).
+            self.catalog = Catalog(saved.catalog)
+            self._log_changes(self.catalog.apply_file(self.config.models), "file")
         self._transitions(self.fleet.restore(saved.registers, self.clock(), self.config.liveness.grace))
         self.placements = saved.placements
         log.info(
@@ -541,7 +639,7 @@ class ControlPlane:
         """Rebuild the router's table (``control.routes.route_table``) from the placements and the
         fleet; the one place it is rebuilt, after every reconcile pass."""
         self._routes = route_table(
-            self.config.models,
+            self.catalog.models(),
             self.placements,
             self.fleet.nodes,
             self.plan.unplaced,
@@ -658,6 +756,7 @@ class PlaneQuery:
             insecure=plane.config.insecure,
             backoff=backoff,
             events=plane.events,
+            catalog=MappingProxyType({e.name: e for e in plane.catalog.entries()}),
         )
 
     async def request_logs(
@@ -677,6 +776,15 @@ class PlaneQuery:
 
     def joins(self) -> JoinSecrets | None:
         return self._plane.agents.joins
+
+    async def apply_models(self, models: list[ModelConfig]) -> list[Change]:
+        return await self._plane.apply_models(models)
+
+    async def scale_model(self, name: str, replicas: int) -> Change:
+        return await self._plane.scale_model(name, replicas)
+
+    async def delete_model(self, name: str) -> Change:
+        return await self._plane.delete_model(name)
 
 
 __all__ = [

@@ -2,10 +2,10 @@
 
 ``ControlQuery`` is the narrow interface ``control.api`` depends on (the control plane implements
 it in ``control.plane.PlaneQuery``): a ``ControlView`` of what the plane knows at one instant, the
-commands an operator gives (cordon, uncordon, drain, forget a node's credential), and the agents'
-log tails. The API never sees the plane's attributes, so the plane can change its insides without
-breaking ``ctl``, and the documents the API serves are pure functions of a view (tests build one by
-hand).
+commands an operator gives (cordon, uncordon, drain, forget a node's credential; apply, scale and
+delete models in the catalog), and the agents' log tails. The API never sees the plane's
+attributes, so the plane can change its insides without breaking ``ctl``, and the documents the
+API serves are pure functions of a view (tests build one by hand).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Protocol
 import attrs
 
 import schema
+from control.catalog import CatalogConflict, Change, Entry
 from control.config import ModelConfig
 from control.events import EventLog
 from control.fleet import Cordon, Node
@@ -58,7 +59,7 @@ class ControlView:
     placements: tuple[ReplicaPlacement, ...]
     #: The latest placement plan: unplaced replicas with reasons, where replacements go.
     plan: Plan
-    #: The catalog, by model name.
+    #: The catalog, by model name (as placement sees it: a deleting model has replicas 0).
     models: Mapping[str, ModelConfig]
     #: node id -> an operator's cordon or drain (kept apart from the node records: it outlives them).
     cordons: Mapping[str, Cordon] = attrs.field(factory=dict)
@@ -70,6 +71,8 @@ class ControlView:
     backoff: Callable[[str, str], tuple[int, float | None]] = _no_backoff
     #: The last transitions of every node and shard (``control.events``), for ``describe``.
     events: EventLog = attrs.field(factory=EventLog)
+    #: Each model's catalog entry (source, generation, deleting), by name (``control.catalog``).
+    catalog: Mapping[str, Entry] = attrs.field(factory=dict)
 
 
 class JoinSecrets(Protocol):
@@ -113,5 +116,28 @@ class ControlQuery(Protocol):
         """The join book, or None before it is loaded."""
         ...
 
+    async def apply_models(self, models: list[ModelConfig]) -> list[Change]:
+        """Create or update models (``ctl apply``); on disk before it returns. ``CatalogConflict``
+        for a model being deleted (nothing is changed then)."""
+        ...
 
-__all__ = ["ControlQuery", "ControlView", "DrainRefused", "JoinSecrets", "engine_views"]
+    async def scale_model(self, name: str, replicas: int) -> Change:
+        """Set a model's replicas (``ctl scale``). ``KeyError`` naming the known models,
+        ``CatalogConflict`` for a model being deleted, ``ValueError`` for a bad count."""
+        ...
+
+    async def delete_model(self, name: str) -> Change:
+        """Delete a model (``ctl delete``): drained, stopped, then gone. ``KeyError`` naming the
+        known models, ``CatalogConflict`` for a model llmgw.toml defines."""
+        ...
+
+
+__all__ = [
+    "CatalogConflict",
+    "Change",
+    "ControlQuery",
+    "ControlView",
+    "DrainRefused",
+    "JoinSecrets",
+    "engine_views",
+]

@@ -1,11 +1,17 @@
 """What survives a control plane restart: ``state_dir/control-state.json``.
 
 The file holds the nodes the control plane knew (each one's last Register, base64 protobuf, with no
-secret in it), the placements, and the operators' cordons and drains::
+secret in it), the placements, the operators' cordons and drains, and the model catalog
+(``control.catalog``: each model's definition, where it came from, what the file last said of it)::
 
-    {"cordons": {"gpu07": "draining"},
+    {"catalog": [{"name": "m", "definition": {...}, "source": "api", "file_definition": null,
+                  "generation": 3, "deleting": false}],
+     "cordons": {"gpu07": "draining"},
      "nodes": {"gpu07": "<base64 Register>"},
      "placements": [{"model": "m", "replica_id": "m-r0", "fabric": "", "shards": [...]}]}
+
+A file without ``catalog`` (written before models were objects) loads: its models then come from
+``llmgw.toml`` alone, as they did.
 
 Pure functions convert between that document and a ``SavedState`` value (``state_doc``,
 ``parse_state``); a damaged file is refused with the file and the field that is wrong
@@ -29,6 +35,8 @@ import cattrs
 import trio
 
 import schema
+from control.catalog import Catalog, Entry, Source
+from control.config import model_from_dict, model_to_dict
 from control.fleet import Cordon, Node, NodeState
 from control.placement import ReplicaPlacement
 
@@ -53,6 +61,8 @@ class SavedState:
     cordons: tuple[tuple[str, Cordon], ...] = ()
     #: Entries that were skipped (an unknown cordon mark), one line each, naming the file.
     skipped: tuple[str, ...] = ()
+    #: The model catalog; None from a file written before there was one (models: the file's).
+    catalog: tuple[Entry, ...] | None = None
 
 
 def keyless(register: schema.Register) -> schema.Register:
@@ -80,15 +90,60 @@ def encode_register(register: schema.Register) -> str:
 
 
 def state_doc(
-    nodes: Mapping[str, str], placements: Iterable[ReplicaPlacement], cordons: Iterable[tuple[str, Cordon]]
+    nodes: Mapping[str, str],
+    placements: Iterable[ReplicaPlacement],
+    cordons: Iterable[tuple[str, Cordon]],
+    catalog: Iterable[Entry] | None = None,
 ) -> dict[str, Any]:
     """The file's document: ``nodes`` maps node id to ``encode_register``'s text."""
-    return {
+    doc: dict[str, Any] = {
         "nodes": dict(nodes),
         "placements": _converter.unstructure(list(placements)),
         # Operator decisions: a restart must not make a cordoned or draining node schedulable.
         "cordons": {nid: mark.value for nid, mark in sorted(cordons)},
     }
+    if catalog is not None:
+        doc["catalog"] = [catalog_entry_doc(e) for e in catalog]
+    return doc
+
+
+def catalog_entry_doc(entry: Entry) -> dict[str, Any]:
+    """One catalog entry as the file keeps it."""
+    return {
+        "name": entry.name,
+        "definition": model_to_dict(entry.config),
+        "source": entry.source.value,
+        "file_definition": None if entry.file_definition is None else model_to_dict(entry.file_definition),
+        "generation": entry.generation,
+        "deleting": entry.deleting,
+    }
+
+
+def _parse_catalog(raw: object, path: Path | str) -> tuple[Entry, ...]:
+    if not isinstance(raw, list):
+        raise StateFileError(f"{path}: catalog: expected a list of models, got {type(raw).__name__}")
+    entries = []
+    for i, item in enumerate(raw):
+        where = f"{path}: catalog[{i}]"
+        if not isinstance(item, dict):
+            raise StateFileError(f"{where}: expected an object, got {type(item).__name__}")
+        try:
+            config = model_from_dict(item.get("definition"), f"{where}.definition")
+            file_raw = item.get("file_definition")
+            file_def = None if file_raw is None else model_from_dict(file_raw, f"{where}.file_definition")
+            source = Source(str(item.get("source")))
+        except ValueError as exc:
+            raise StateFileError(str(exc) if str(exc).startswith(str(path)) else f"{where}: {exc}") from exc
+        generation = item.get("generation", 1)
+        deleting = item.get("deleting", False)
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+            raise StateFileError(f"{where}.generation: expected a whole number from 1, got {generation!r}")
+        if not isinstance(deleting, bool):
+            raise StateFileError(f"{where}.deleting: expected true or false, got {deleting!r}")
+        if item.get("name", config.name) != config.name:
+            raise StateFileError(f"{where}: name {item.get('name')!r} but the definition is {config.name!r}")
+        entries.append(Entry(config, source, file_def, generation, deleting))
+    return tuple(entries)
 
 
 def parse_state(text: str, path: Path | str = STATE_FILE) -> SavedState:
@@ -136,7 +191,8 @@ def parse_state(text: str, path: Path | str = STATE_FILE) -> SavedState:
             cordons.append((str(node_id), Cordon(mark)))
         except ValueError:
             skipped.append(f"{path}: cordons[{str(node_id)[:64]!r}]: unknown mark {mark!r}, ignored")
-    return SavedState(tuple(registers), placements, tuple(sorted(cordons)), tuple(skipped))
+    catalog = _parse_catalog(doc["catalog"], path) if "catalog" in doc else None
+    return SavedState(tuple(registers), placements, tuple(sorted(cordons)), tuple(skipped), catalog)
 
 
 def read_state(path: Path) -> SavedState | None:
@@ -204,11 +260,13 @@ class StateSaver:
         nodes: Iterable[Node],
         placements: tuple[ReplicaPlacement, ...],
         cordons: Mapping[str, Cordon],
+        catalog: Catalog | None = None,
     ) -> bool:
-        """Write the nodes that are not lost, the placements and the cordons, unless nothing changed
-        since the last write (``generation`` is the fleet's). Returns whether it wrote."""
+        """Write the nodes that are not lost, the placements, the cordons and the catalog, unless
+        nothing changed since the last write (``generation`` is the fleet's, the catalog's own
+        ``revision`` tells its changes). Returns whether it wrote."""
         async with self._lock:
-            return await self._save(generation, nodes, placements, cordons)
+            return await self._save(generation, nodes, placements, cordons, catalog)
 
     async def _save(
         self,
@@ -216,10 +274,14 @@ class StateSaver:
         nodes: Iterable[Node],
         placements: tuple[ReplicaPlacement, ...],
         cordons: Mapping[str, Cordon],
+        catalog: Catalog | None = None,
     ) -> bool:
-        if (generation, placements) == self._saved_generation:
+        # The catalog as it is now: its entries are frozen values, the catalog may change while
+        # Registers are encoded below.
+        entries = tuple(catalog.entries()) if catalog is not None else None
+        stamp = (generation, placements, entries)
+        if stamp == self._saved_generation:
             return False  # nothing a restart needs has changed since the last write
-        stamp = (generation, placements)
         live = [n for n in nodes if n.state is not NodeState.LOST]
         fresh = [
             (n.node_id, n.register)
@@ -235,11 +297,16 @@ class StateSaver:
         for gone in set(self._encoded) - {n.node_id for n in live}:
             del self._encoded[gone]
         marks = tuple(sorted(cordons.items()))
-        key = (tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())), placements, marks)
+        key = (
+            tuple(sorted((nid, reg) for nid, (reg, _) in self._encoded.items())),
+            placements,
+            marks,
+            entries,
+        )
         if key == self._saved_key:
             self._saved_generation = stamp
             return False
-        doc = state_doc({nid: text for nid, (_, text) in self._encoded.items()}, placements, marks)
+        doc = state_doc({nid: text for nid, (_, text) in self._encoded.items()}, placements, marks, entries)
         await trio.to_thread.run_sync(write_state, self.path, doc)
         self._saved_key = key
         self._saved_generation = stamp
@@ -251,6 +318,7 @@ __all__ = [
     "SavedState",
     "StateFileError",
     "StateSaver",
+    "catalog_entry_doc",
     "encode_register",
     "keyless",
     "parse_state",

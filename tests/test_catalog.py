@@ -1,0 +1,266 @@
+"""Models as objects: the catalog's rules (pure), and ``ctl apply``, ``scale`` and ``delete`` against
+a real control plane, agent and sim engines, the router answering through the ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from control.catalog import Action, Catalog, CatalogConflict, Source
+from control.config import ConfigError, ModelConfig, ProfileConfig, parse_models
+from control.state import parse_state, state_doc
+from tests.fleet_procs import ControlProcess, one_node, poll
+
+FIXTURE_STATE = Path(__file__).parent / "fixtures" / "state" / "control-state-2026-12-03.json"
+
+
+def model(name: str, replicas: int = 1, engine_model: str = "m") -> ModelConfig:
+    return ModelConfig(name, ProfileConfig(engine="sim", model=engine_model), replicas=replicas)
+
+
+def actions(changes: list[Any]) -> dict[str, Action]:
+    return {c.name: c.action for c in changes}
+
+
+# -- the catalog, pure ------------------------------------------------------------------------------
+
+
+def test_a_model_new_in_the_file_is_created() -> None:
+    cat = Catalog()
+    changes = cat.apply_file([model("a"), model("b", 2)])
+    assert actions(changes) == {"a": Action.CREATED, "b": Action.CREATED}
+    assert [str(c) for c in changes] == ["model/a created", "model/b created"]
+    assert [m.name for m in cat.models()] == ["a", "b"]
+    entry = cat.entry("b")
+    assert entry is not None and entry.source is Source.FILE and entry.file_definition == model("b", 2)
+    assert cat.generation("a") == 1 and cat.generation("missing") == 0
+
+
+def test_an_unchanged_file_keeps_what_ctl_made_of_a_model() -> None:
+    """A restart (the same file applied again) never reverts a ctl scale or a ctl apply."""
+    cat = Catalog()
+    cat.apply_file([model("a")])
+    assert cat.scale("a", 3).action is Action.SCALED
+    assert cat.apply([model("b", 1, "other")])[0].action is Action.CREATED
+    revision = cat.revision
+    changes = cat.apply_file([model("a")])
+    assert actions(changes) == {"a": Action.UNCHANGED}
+    a = cat.get("a")
+    assert a is not None and a.replicas == 3 and cat.generation("a") == 2
+    assert cat.get("b") is not None  # a model only applied stays
+    assert cat.revision == revision  # nothing changed: nothing to place or save
+
+
+def test_a_changed_file_definition_wins_over_ctl() -> None:
+    cat = Catalog()
+    cat.apply_file([model("a")])
+    cat.scale("a", 3)
+    changes = cat.apply_file([model("a", 1, "m2")])
+    assert actions(changes) == {"a": Action.CONFIGURED}
+    assert str(changes[0]) == "model/a configured"
+    entry = cat.entry("a")
+    assert entry is not None
+    assert entry.config == model("a", 1, "m2") and entry.source is Source.FILE and entry.generation == 3
+
+
+def test_a_model_that_left_the_file_is_deleted_and_one_only_applied_stays() -> None:
+    cat = Catalog()
+    cat.apply_file([model("a"), model("b")])
+    cat.apply([model("c")])
+    cat.apply([model("b", 4)])  # b came from the file; ctl changed it since
+    changes = cat.apply_file([])
+    assert actions(changes) == {"a": Action.DELETING, "b": Action.DELETING}
+    assert {m.name: m.replicas for m in cat.models()} == {"a": 0, "b": 0, "c": 1}
+    assert cat.finish_deletes({"a"}) and cat.names() == ["a", "c"]
+    assert [str(c) for c in cat.finish_deletes(())] == ["model/a deleted"] and cat.names() == ["c"]
+
+
+def test_the_file_naming_an_applied_model_takes_it_over() -> None:
+    cat = Catalog()
+    cat.apply([model("a", 2)])
+    # The same definition: nothing runs differently, but the file now owns it.
+    assert actions(cat.apply_file([model("a", 2)])) == {"a": Action.UNCHANGED}
+    entry = cat.entry("a")
+    assert entry is not None and entry.file_definition == model("a", 2) and entry.generation == 1
+    # A different one: the file wins.
+    cat2 = Catalog()
+    cat2.apply([model("a", 2)])
+    assert actions(cat2.apply_file([model("a", 1)])) == {"a": Action.CONFIGURED}
+    got = cat2.get("a")
+    assert got is not None and got.replicas == 1
+
+
+def test_apply_scale_delete_say_what_changed_and_refuse_conflicts() -> None:
+    cat = Catalog()
+    cat.apply_file([model("infile")])
+    assert actions(cat.apply([model("a")])) == {"a": Action.CREATED}
+    assert actions(cat.apply([model("a")])) == {"a": Action.UNCHANGED}
+    assert actions(cat.apply([model("a", 2)])) == {"a": Action.CONFIGURED}
+    assert cat.generation("a") == 2
+    assert cat.scale("a", 2).action is Action.UNCHANGED
+    assert cat.scale("a", 0).action is Action.SCALED and cat.generation("a") == 3
+    with pytest.raises(KeyError, match="no model 'zz' in the catalog; models: a, infile"):
+        cat.scale("zz", 1)
+    with pytest.raises(ValueError, match="0 or more"):
+        cat.scale("a", -1)
+    with pytest.raises(CatalogConflict, match=r"llmgw\.toml"):
+        cat.delete("infile")
+    assert cat.delete("a").action is Action.DELETING
+    assert cat.delete("a").action is Action.UNCHANGED
+    with pytest.raises(CatalogConflict, match="being deleted"):
+        cat.scale("a", 1)
+    revision = cat.revision
+    with pytest.raises(CatalogConflict, match="being deleted"):
+        cat.apply([model("b"), model("a")])
+    assert cat.revision == revision and "b" not in cat  # all or nothing
+    with pytest.raises(ValueError, match="defined twice"):
+        cat.apply([model("b"), model("b")])
+
+
+def test_the_catalog_is_kept_in_the_state_file_and_an_old_file_still_loads() -> None:
+    cat = Catalog()
+    cat.apply_file([model("f", 2)])
+    cat.scale("f", 5)
+    cat.apply([model("api", 1, "x")])
+    cat.apply([model("gone")])
+    cat.delete("gone")
+    doc = json.loads(json.dumps(state_doc({}, [], [], cat.entries())))
+    saved = parse_state(json.dumps(doc))
+    assert saved.catalog == tuple(cat.entries())
+    restored = Catalog(saved.catalog)
+    assert restored.models() == cat.models() and restored.entry("f") == cat.entry("f")
+    # The fixture predates the catalog: it loads, with no catalog (the file's models then apply).
+    old = parse_state(FIXTURE_STATE.read_text(), FIXTURE_STATE)
+    assert old.catalog is None and old.placements
+    # A damaged entry names the file and the field.
+    doc["catalog"][0]["definition"]["replicas"] = "two"
+    with pytest.raises(ValueError, match=r"control-state.json: catalog\[0\].definition: replicas"):
+        parse_state(json.dumps(doc))
+
+
+def test_parse_models_names_key_and_line_and_refuses_server_settings() -> None:
+    text = '[[models]]\nname = "chat"\n[models.gpus]\ncount = "four"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
+    with pytest.raises(ConfigError) as bad:
+        parse_models(text, "model.toml")
+    assert str(bad.value) == "models[0].gpus.count: expected an integer, got 'four' (model.toml line 4)"
+    with pytest.raises(ConfigError, match=r"state_dir: a server setting.*llmgw.toml.*\(model.toml line 1\)"):
+        parse_models(
+            'state_dir = "/tmp"\n[[models]]\nname="a"\nprofile={engine="sim",model="m"}\n', "model.toml"
+        )
+    with pytest.raises(ConfigError, match="no \\[\\[models\\]\\] table"):
+        parse_models("", "model.toml")
+    two = parse_models(
+        '[[models]]\nname="a"\nprofile={engine="sim",model="m"}\n[[models]]\nname="b"\nreplicas=2\n'
+        'profile={engine="sim",model="m"}\n'
+    )
+    assert [(m.name, m.replicas) for m in two] == [("a", 1), ("b", 2)]
+
+
+# -- end to end: a real control plane, agent and sim engines ----------------------------------------
+
+
+def model_toml(name: str, replicas: int = 1, load: str = "0.2", extra: str = "") -> str:
+    return (
+        f'[[models]]\nname = "{name}"\nreplicas = {replicas}\n{extra}[models.profile]\nengine = "sim"\n'
+        f'model = "m"\nenv = {{ LLMGW_SIM_LOAD_SECONDS = "{load}", LLMGW_SIM_TTFT_MS = "1" }}\n'
+    )
+
+
+def get_models(cp: ControlProcess) -> dict[str, dict[str, Any]]:
+    out = cp.ctl("get", "models", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    return {m["model"]: m for m in json.loads(out.stdout)}
+
+
+def ready_count(cp: ControlProcess, name: str, n: int) -> dict[str, Any] | None:
+    m = get_models(cp).get(name)
+    return m if m and m["replicas_ready"] == n and m["replicas_placed"] == n else None
+
+
+def chat(cp: ControlProcess, name: str) -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cp.router_port}/v1", api_key="none")
+    reply = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_apply_scale_and_delete_a_model_through_ctl(tmp_path: Path) -> None:
+    """A model only ``ctl apply`` knows is placed, becomes ready and answers through the router;
+    ``scale`` 1 -> 2 -> 0; ``delete`` stops its engines and the router answers 404 for it; a bad
+    file is exit 1 with the key and its line, and changes nothing."""
+    tag = f"k{os.getpid()}"
+    base, new = f"base-{tag}", f"applied-{tag}"
+    with one_node(tmp_path, model_toml(base), "24800-24849") as (cp, agent):
+        poll(f"{base} ready", lambda: ready_count(cp, base, 1))
+        path = tmp_path / "model.toml"
+        path.write_text(model_toml(new) + model_toml(f"{new}-b", replicas=0))
+        out = cp.ctl("apply", "-f", str(path))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines() == [f"model/{new} created", f"model/{new}-b created"]
+        poll(f"{new} ready", lambda: ready_count(cp, new, 1))
+        assert chat(cp, new).strip()
+        piped = [*cp.ctl_argv(), "apply", "-f", "-"]
+        same = subprocess.run(piped, input=path.read_text(), capture_output=True, text=True, timeout=60)
+        assert same.returncode == 0 and same.stdout.splitlines() == [
+            f"model/{new} unchanged",
+            f"model/{new}-b unchanged",
+        ], same.stderr
+
+        wide = cp.ctl("get", "models", "-o", "wide")
+        assert wide.returncode == 0 and "GENERATION" in wide.stdout and "SOURCE" in wide.stdout
+        row = next(line for line in wide.stdout.splitlines() if line.startswith(new + " "))
+        assert " api " in f" {row} " and " 1 " in row
+
+        # A bad file: exit 1, the server's message names the key and its line; nothing changes.
+        bad = tmp_path / "bad.toml"
+        bad.write_text(model_toml(new, extra="[models.gpus]\ncount = -1\n"))
+        out = cp.ctl("apply", "-f", str(bad))
+        assert out.returncode == 1, out
+        assert "models[0].gpus.count must be >= 0, got -1" in out.stderr
+        assert f"({bad} line 5)" in out.stderr, out.stderr
+        assert get_models(cp)[new]["generation"] == 1
+
+        out = cp.ctl("scale", new, "2")
+        assert out.returncode == 0 and out.stdout.strip() == f"model/{new} scaled", out
+        poll(f"{new} at 2 ready", lambda: ready_count(cp, new, 2))
+        assert get_models(cp)[new]["generation"] == 2
+        out = cp.ctl("scale", new, "0")
+        assert out.returncode == 0, out.stderr
+        poll(f"{new} at 0", lambda: ready_count(cp, new, 0))
+        poll(
+            f"{new}'s engines stopped",
+            lambda: (
+                not any(
+                    s["node_id"] for r in cp.api("/api/replicas") if r["model"] == new for s in r["shards"]
+                )
+            ),
+        )
+        out = cp.ctl("scale", new, "1")
+        assert out.returncode == 0, out.stderr
+        poll(f"{new} back at 1", lambda: ready_count(cp, new, 1))
+
+        unknown = cp.ctl("scale", f"nope-{tag}", "1")
+        assert unknown.returncode == 1 and "HTTP 404" in unknown.stderr and base in unknown.stderr
+        in_file = cp.ctl("delete", base)
+        assert in_file.returncode == 1 and "HTTP 409" in in_file.stderr and "SIGHUP" in in_file.stderr
+
+        out = cp.ctl("delete", new, "--wait", "--timeout", "60")
+        assert out.returncode == 0, out
+        lines = out.stdout.splitlines()
+        assert lines[0] == f"model/{new} deleting" and lines[-1] == f"model/{new} deleted", lines
+        assert new not in get_models(cp) and base in get_models(cp)
+        assert not any(r["model"] == new for r in cp.api("/api/replicas"))
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cp.router_port}/v1", api_key="none")
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=new, messages=[{"role": "user", "content": "hi"}])
+        assert chat(cp, base).strip()
+        gone = cp.ctl("delete", new)
+        assert gone.returncode == 1 and "HTTP 404" in gone.stderr
+        del agent
