@@ -24,6 +24,10 @@
  *    sent_at), sent_at being when a response job's head went out; the thread signals
  *    an eventfd (notify_fd) when the queue turns non-empty (or, early, when a body's last bytes
  *    are about to be sent), which trio waits on.
+ *  - Every result (and withdraw, for a running job) carries the job's facts (facts_t, observe):
+ *    its events, when the first and last came, its gap histogram over Pump(gap_bounds=...)'s
+ *    bounds, and with want_tail its body's last bytes: what /metrics needs per response, gathered
+ *    where the thread handles each event anyway, so the router runs no Python per event.
  *  - close() stops the thread and returns the up_fds of the jobs still running.
  *  - Pump(coalesce_us) bounds the pause after each wake-up, which adapts below it (see serve).
  *  - scan_chunked(state, remaining, line, data) runs scan() alone, for the differential test.
@@ -70,6 +74,25 @@ enum { R_DONE = 0, R_ENGINE = 1, R_CLIENT = 2, R_HEAD = 3, R_EARLY = 4 };
 /* The longest engine response head the thread waits for before handing it to the router. */
 #define MAX_HEAD 65536
 
+/* Per-event facts for /metrics (see observe): at most this many gap histogram bounds, and the
+ * bytes of a body's end kept for the router to read usage from. */
+#define MAX_BOUNDS 32
+#define TAIL_BYTES 4096
+
+/* What a job learned about its body as it relayed it, handed to the router once, with the job's
+ * result (or by withdraw): the router folds it into its per-model histograms then, so no Python
+ * runs per event. An event is a chunk (engines write one SSE event per chunk); its time is that of
+ * the read that brought its size line, so events read together are 0 s apart. */
+typedef struct {
+    uint64_t events;              /* chunks begun: their size lines read */
+    double first_at, last_at;     /* CLOCK_MONOTONIC seconds of the reads with the first and last */
+    double gap_sum;               /* the gaps between consecutive events, summed ... */
+    uint32_t gaps[MAX_BOUNDS + 1]; /* ... and counted per bucket (value <= bound; the last: above all) */
+    int want_tail;
+    char *tail; /* want_tail: the body's last TAIL_BYTES bytes (malloc'd on first use) */
+    size_t tail_len;
+} facts_t;
+
 typedef struct {
     int up_fd, client_fd;
     int state;
@@ -88,6 +111,7 @@ typedef struct {
     char *suffix;    /* ... the router's own headers and the blank line, appended to the head */
     size_t suffix_len;
     double sent_at;  /* CLOCK_MONOTONIC seconds when the head went to the client (response jobs) */
+    facts_t facts;
 } job_t;
 
 typedef struct {
@@ -96,6 +120,7 @@ typedef struct {
     char *data; /* R_HEAD: what the engine sent (owned; handed to Python by collect) */
     size_t data_len;
     double sent_at;
+    facts_t facts; /* the job's (its tail owned here now) */
 } result_t;
 
 typedef struct {
@@ -114,6 +139,8 @@ typedef struct {
     int signalled; /* the eventfd was written since collect() last took the results */
     long coalesce_ns; /* after a wake-up, wait at most this long before looking again (see serve) */
     unsigned long long wakeups, pauses, reads; /* for /metrics: reads per wake-up is what coalescing buys */
+    double bounds[MAX_BOUNDS]; /* the gap histogram's bucket bounds, in seconds, ascending */
+    int nbounds;
 } Pump;
 
 /* ---- the chunked-body scanner ------------------------------------------------------------- */
@@ -283,6 +310,7 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
             if (size) {
                 j->state = S_DATA;
                 j->remaining = size;
+                j->facts.events++;
             } else {
                 j->state = S_TRAILER;
             }
@@ -315,6 +343,7 @@ static result_t *push_result(Pump *p, int up_fd, int code, int extra, const char
     r->data = NULL;
     r->data_len = 0;
     r->sent_at = 0;
+    memset(&r->facts, 0, sizeof r->facts);
     snprintf(r->message, sizeof r->message, "%s", message);
     return r;
 }
@@ -339,11 +368,15 @@ static void drop(Pump *p, job_t *j) {
     free(j->pending);
     free(j->head);
     free(j->suffix);
+    free(j->facts.tail);
     free(j);
 }
 
 static void finish(Pump *p, job_t *j, int code, const char *message) {
-    push_result(p, j->up_fd, code, j->extra, message)->sent_at = j->sent_at;
+    result_t *r = push_result(p, j->up_fd, code, j->extra, message);
+    r->sent_at = j->sent_at;
+    r->facts = j->facts; /* the tail moves to the result */
+    j->facts.tail = NULL;
     drop(p, j);
 }
 
@@ -413,6 +446,57 @@ static void notify(Pump *p) {
     p->signalled = 1;
 }
 
+static double monotonic_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* The gap histogram's bucket for a gap of g seconds: the first bound at or above it. */
+static int gap_bucket(const Pump *p, double g) {
+    int i = 0;
+    while (i < p->nbounds && g > p->bounds[i]) i++;
+    return i;
+}
+
+/* The per-event facts of one read: body bytes data[0..n) (those scan took), which began the
+ * events since `before`. One clock read per read that began an event, nothing per byte; the
+ * tail is copied only for a job that asked for it (a response whose usage the router reads). */
+static void observe(Pump *p, job_t *j, uint64_t before, const char *data, size_t n, double now) {
+    facts_t *f = &j->facts;
+    uint64_t fresh = f->events - before;
+    if (fresh) {
+        if (now == 0) now = monotonic_now();
+        if (f->last_at != 0) { /* an event before this read: the gap from it */
+            double g = now - f->last_at;
+            f->gaps[gap_bucket(p, g)]++;
+            f->gap_sum += g;
+        } else {
+            f->first_at = now;
+        }
+        if (fresh > 1) f->gaps[gap_bucket(p, 0.0)] += (uint32_t)(fresh - 1); /* read together: 0 s */
+        f->last_at = now;
+    }
+    if (f->want_tail && n) {
+        if (!f->tail) {
+            f->tail = malloc(TAIL_BYTES);
+            if (!f->tail) abort();
+        }
+        if (n >= TAIL_BYTES) {
+            memcpy(f->tail, data + n - TAIL_BYTES, TAIL_BYTES);
+            f->tail_len = TAIL_BYTES;
+        } else {
+            if (f->tail_len + n > TAIL_BYTES) {
+                size_t keep = TAIL_BYTES - n;
+                memmove(f->tail, f->tail + f->tail_len - keep, keep);
+                f->tail_len = keep;
+            }
+            memcpy(f->tail + f->tail_len, data, n);
+            f->tail_len += n;
+        }
+    }
+}
+
 static void readable(Pump *p, job_t *j, char *buf) {
     ssize_t r;
     do {
@@ -429,12 +513,14 @@ static void readable(Pump *p, job_t *j, char *buf) {
         return;
     }
     char err[120];
+    uint64_t before = j->facts.events;
     ssize_t used = scan(j, buf, (size_t)r, err, sizeof err);
     if (used < 0) {
         finish(p, j, R_ENGINE, err);
         return;
     }
     if (used < r) j->extra = 1;
+    observe(p, j, before, buf, (size_t)used, 0);
     settled(p, j);
     if (j->state == S_DONE) {
         /* The body ends with this send: wake trio now, so its wake-up overlaps the send and the
@@ -564,12 +650,6 @@ other:
     return NULL;
 }
 
-static double monotonic_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 /* A response job's head phase: collect the engine's head; relay it if client_head takes it, with
  * the body bytes that came along, and go on as a body job; otherwise hand it to the router. */
 static void head_readable(Pump *p, job_t *j, char *buf) {
@@ -627,12 +707,13 @@ static void head_readable(Pump *p, job_t *j, char *buf) {
     char *all = realloc(out, out_len + (size_t)used);
     if (!all) abort();
     memcpy(all + out_len, body, (size_t)used);
+    j->sent_at = monotonic_now();
+    observe(p, j, 0, body, (size_t)used, j->sent_at); /* body points into j->head: before it goes */
     free(j->head);
     free(j->suffix);
     j->head = j->suffix = NULL;
     j->head_len = j->suffix_len = 0;
     j->in_head = 0;
-    j->sent_at = monotonic_now();
     if (j->state == S_DONE) notify(p); /* as in readable */
     send_client(p, j, all, out_len + (size_t)used);
     free(all);
@@ -744,16 +825,40 @@ static void lock_from_python(Pump *p) {
 }
 
 static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"coalesce_us", NULL};
+    static char *kwlist[] = {"coalesce_us", "gap_bounds", NULL};
     long coalesce_us = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|l", kwlist, &coalesce_us)) return NULL;
+    PyObject *gap_bounds = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lO", kwlist, &coalesce_us, &gap_bounds)) return NULL;
     if (coalesce_us < 0 || coalesce_us > 100000) {
         PyErr_Format(PyExc_ValueError, "coalesce_us must be 0 to 100000, got %ld", coalesce_us);
         return NULL;
     }
+    double bounds[MAX_BOUNDS];
+    Py_ssize_t nbounds = 0;
+    if (gap_bounds && gap_bounds != Py_None) {
+        PyObject *seq = PySequence_Fast(gap_bounds, "gap_bounds must be a sequence of seconds");
+        if (!seq) return NULL;
+        nbounds = PySequence_Fast_GET_SIZE(seq);
+        int bad = nbounds > MAX_BOUNDS;
+        for (Py_ssize_t i = 0; !bad && i < nbounds; i++) {
+            bounds[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+            if (bounds[i] == -1.0 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            bad = !(bounds[i] > 0) || (i && !(bounds[i] > bounds[i - 1]));
+        }
+        Py_DECREF(seq);
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "gap_bounds must be at most %d positive ascending seconds", MAX_BOUNDS);
+            return NULL;
+        }
+    }
     Pump *p = (Pump *)type->tp_alloc(type, 0);
     if (!p) return NULL;
     p->coalesce_ns = coalesce_us * 1000;
+    memcpy(p->bounds, bounds, (size_t)nbounds * sizeof(double));
+    p->nbounds = (int)nbounds;
     p->epfd = p->notify_fd = p->stop_fd = p->urgent_fd = -1;
     pthread_mutex_init(&p->mu, NULL);
     p->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -817,7 +922,10 @@ static void Pump_dealloc(Pump *p) {
     if (p->notify_fd >= 0) close(p->notify_fd);
     if (p->stop_fd >= 0) close(p->stop_fd);
     free(p->jobs);
-    for (size_t i = 0; i < p->results_len; i++) free(p->results[i].data);
+    for (size_t i = 0; i < p->results_len; i++) {
+        free(p->results[i].data);
+        free(p->results[i].facts.tail);
+    }
     free(p->results);
     pthread_mutex_destroy(&p->mu);
     Py_TYPE(p)->tp_free((PyObject *)p);
@@ -880,11 +988,14 @@ static int check_fds(int up_fd, int client_fd) {
 }
 
 static PyObject *Pump_add(Pump *p, PyObject *args) {
-    int up_fd, client_fd, state;
+    int up_fd, client_fd, state, want_tail = 0;
     unsigned long long remaining;
     const char *line;
     Py_ssize_t line_len;
-    if (!PyArg_ParseTuple(args, "iiiKy#", &up_fd, &client_fd, &state, &remaining, &line, &line_len)) return NULL;
+    double since = 0;
+    if (!PyArg_ParseTuple(args, "iiiKy#|dp", &up_fd, &client_fd, &state, &remaining, &line, &line_len, &since,
+                          &want_tail))
+        return NULL;
     if (check_fds(up_fd, client_fd) < 0) return NULL;
     if (state < S_SIZE || state > S_TRAILER || line_len > MAX_LINE ||
         (line_len && state != S_SIZE && state != S_TRAILER)) {
@@ -899,14 +1010,16 @@ static PyObject *Pump_add(Pump *p, PyObject *args) {
     j->remaining = remaining;
     memcpy(j->line, line, (size_t)line_len);
     j->line_len = (size_t)line_len;
+    j->facts.last_at = since > 0 ? since : 0; /* the body's events before this job: gaps go on from it */
+    j->facts.want_tail = want_tail;
     return start_job(p, j);
 }
 
 static PyObject *Pump_respond(Pump *p, PyObject *args) {
-    int up_fd, client_fd;
+    int up_fd, client_fd, want_tail = 0;
     const char *suffix;
     Py_ssize_t suffix_len;
-    if (!PyArg_ParseTuple(args, "iiy#", &up_fd, &client_fd, &suffix, &suffix_len)) return NULL;
+    if (!PyArg_ParseTuple(args, "iiy#|p", &up_fd, &client_fd, &suffix, &suffix_len, &want_tail)) return NULL;
     if (check_fds(up_fd, client_fd) < 0) return NULL;
     job_t *j = calloc(1, sizeof *j);
     if (!j) return PyErr_NoMemory();
@@ -921,16 +1034,44 @@ static PyObject *Pump_respond(Pump *p, PyObject *args) {
     j->client_fd = client_fd;
     j->state = S_SIZE;
     j->in_head = 1;
+    j->facts.want_tail = want_tail;
     return start_job(p, j);
 }
 
+/* A job's facts as Python reads them: (events, first_at, last_at, gap_sum, per-bucket gap counts,
+ * tail or None), or None when it saw no event and kept no tail. Steals nothing. */
+static PyObject *facts_tuple(const Pump *p, const facts_t *f) {
+    if (!f->events && !f->tail_len) Py_RETURN_NONE;
+    PyObject *gaps = PyTuple_New(p->nbounds + 1);
+    if (!gaps) return NULL;
+    for (int i = 0; i <= p->nbounds; i++) {
+        PyObject *n = PyLong_FromUnsignedLong(f->gaps[i]);
+        if (!n) {
+            Py_DECREF(gaps);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(gaps, i, n);
+    }
+    PyObject *tail = f->tail_len ? PyBytes_FromStringAndSize(f->tail, (Py_ssize_t)f->tail_len) : Py_NewRef(Py_None);
+    if (!tail) {
+        Py_DECREF(gaps);
+        return NULL;
+    }
+    return Py_BuildValue("(KdddNN)", (unsigned long long)f->events, f->first_at, f->last_at, f->gap_sum, gaps, tail);
+}
+
 /* A result as collect() and withdraw() hand it to Python (steals nothing; r->data stays owned). */
-static PyObject *result_tuple(const result_t *r) {
+static PyObject *result_tuple(const Pump *p, const result_t *r) {
     PyObject *data = r->data ? PyBytes_FromStringAndSize(r->data, (Py_ssize_t)r->data_len) : Py_NewRef(Py_None);
     if (!data) return NULL;
-    return Py_BuildValue("(iiONNid)", r->up_fd, r->code, r->extra ? Py_True : Py_False,
+    PyObject *facts = facts_tuple(p, &r->facts);
+    if (!facts) {
+        Py_DECREF(data);
+        return NULL;
+    }
+    return Py_BuildValue("(iiONNidN)", r->up_fd, r->code, r->extra ? Py_True : Py_False,
                          PyUnicode_DecodeUTF8(r->message, (Py_ssize_t)strlen(r->message), "replace"), data,
-                         r->err, r->sent_at);
+                         r->err, r->sent_at, facts);
 }
 
 /* The scanner's state as Python's ChunkedScanner.snapshot() gives it: (state, remaining, line). */
@@ -945,11 +1086,13 @@ static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
     double sent_at = 0;
     result_t ended;
     int found = 0, had_job = 0;
-    job_t state = {0}; /* the withdrawn job's scanner state, copied out under the lock */
+    job_t state = {0}; /* the withdrawn job's scanner state and facts, copied out under the lock */
     lock_from_python(p);
     if (up_fd >= 0 && (size_t)up_fd < p->jobs_cap && p->jobs[up_fd]) {
         job_t *j = p->jobs[up_fd];
         sent_at = j->sent_at;
+        state.facts = j->facts; /* the tail moves here */
+        j->facts.tail = NULL;
         state.state = j->in_head ? S_SIZE : j->state;
         state.remaining = j->in_head ? 0 : j->remaining;
         state.line_len = j->in_head ? 0 : j->line_len;
@@ -968,23 +1111,32 @@ static PyObject *Pump_withdraw(Pump *p, PyObject *arg) {
             found = 1;
         } else {
             free(p->results[i].data);
+            free(p->results[i].facts.tail);
         }
     }
     p->results_len = k;
     pthread_mutex_unlock(&p->mu);
     PyObject *where = had_job ? scan_state(&state) : Py_NewRef(Py_None);
-    if (!where) {
-        if (found) free(ended.data);
+    PyObject *facts = where ? facts_tuple(p, &state.facts) : NULL;
+    free(state.facts.tail);
+    if (!facts) {
+        Py_XDECREF(where);
+        if (found) {
+            free(ended.data);
+            free(ended.facts.tail);
+        }
         return NULL;
     }
-    if (!found) return Py_BuildValue("(dON)", sent_at, Py_None, where);
-    PyObject *t = result_tuple(&ended);
+    if (!found) return Py_BuildValue("(dONN)", sent_at, Py_None, where, facts);
+    PyObject *t = result_tuple(p, &ended);
     free(ended.data);
+    free(ended.facts.tail);
     if (!t) {
         Py_DECREF(where);
+        Py_DECREF(facts);
         return NULL;
     }
-    return Py_BuildValue("(dNN)", ended.sent_at, t, where);
+    return Py_BuildValue("(dNNN)", ended.sent_at, t, where, facts);
 }
 
 static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
@@ -1008,11 +1160,14 @@ static PyObject *Pump_collect(Pump *p, PyObject *Py_UNUSED(ignored)) {
     if (n && !taken) return PyErr_NoMemory();
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
-        PyObject *t = result_tuple(&taken[i]);
+        PyObject *t = result_tuple(p, &taken[i]);
         if (!t) Py_CLEAR(out);
         else PyList_SET_ITEM(out, (Py_ssize_t)i, t);
     }
-    for (size_t i = 0; i < n; i++) free(taken[i].data);
+    for (size_t i = 0; i < n; i++) {
+        free(taken[i].data);
+        free(taken[i].facts.tail);
+    }
     free(taken);
     return out;
 }
@@ -1039,15 +1194,19 @@ static PyObject *Pump_notify_fd(Pump *p, void *Py_UNUSED(closure)) { return PyLo
 
 static PyMethodDef Pump_methods[] = {
     {"add", (PyCFunction)Pump_add, METH_VARARGS,
-     "add(up_fd, client_fd, state, remaining, line): relay the rest of a chunked body"},
+     "add(up_fd, client_fd, state, remaining, line, since=0.0, want_tail=False): relay the rest of a "
+     "chunked body (since: when its last event went out before, for the first gap)"},
     {"respond", (PyCFunction)Pump_respond, METH_VARARGS,
-     "respond(up_fd, client_fd, suffix): relay a response from its head (or hand the head back)"},
+     "respond(up_fd, client_fd, suffix, want_tail=False): relay a response from its head (or hand the head "
+     "back)"},
     {"withdraw", (PyCFunction)Pump_withdraw, METH_O,
      "withdraw(up_fd) -> (when the job's response head went out (0.0: it had not, or no job), "
      "its result if it had ended and the result was not collected yet, else None, "
-     "its chunk scanner's (state, remaining, line) if it was running, else None)"},
+     "its chunk scanner's (state, remaining, line) if it was running, else None, "
+     "its facts (as collect's) if it was running, else None)"},
     {"collect", (PyCFunction)Pump_collect, METH_NOARGS,
-     "collect() -> [(up_fd, code, extra, message, data, errno, sent_at)] for the jobs that ended"},
+     "collect() -> [(up_fd, code, extra, message, data, errno, sent_at, facts)] for the jobs that ended; "
+     "facts: (events, first_at, last_at, gap_sum, gap counts per bucket, tail or None) or None"},
     {"stats", (PyCFunction)Pump_stats, METH_NOARGS, "stats() -> (streams, blocked on a slow client)"},
     {"counters", (PyCFunction)Pump_counters, METH_NOARGS,
      "counters() -> (wake-ups, coalescing pauses, engine reads that brought bytes), since the start"},
@@ -1109,16 +1268,17 @@ static PyObject *module_scan_chunked(PyObject *Py_UNUSED(m), PyObject *args) {
     used = scan(j, data, (size_t)n, err, sizeof err);
     Py_END_ALLOW_THREADS
     PyObject *where = scan_state(j);
+    unsigned long long events = j->facts.events;
     free(j);
     if (!where) return NULL;
-    if (used < 0) return Py_BuildValue("(nNs)", (Py_ssize_t)-1, where, err);
-    return Py_BuildValue("(nNO)", (Py_ssize_t)used, where, Py_None);
+    if (used < 0) return Py_BuildValue("(nNsK)", (Py_ssize_t)-1, where, err, events);
+    return Py_BuildValue("(nNOK)", (Py_ssize_t)used, where, Py_None, events);
 }
 
 static PyMethodDef module_methods[] = {
     {"scan_chunked", module_scan_chunked, METH_VARARGS,
      "scan_chunked(state, remaining, line, data) -> (bytes of data in the body or -1, "
-     "(state, remaining, line) after, the error or None): the pump thread's chunk scanner, for tests"},
+     "(state, remaining, line) after, the error or None, chunks begun): the pump thread's chunk scanner, for tests"},
     {"client_head", module_client_head, METH_VARARGS,
      "client_head(head, suffix) -> (client head, engine keeps the connection) or None: what the "
      "thread writes for an engine head (without its blank line), for tests"},

@@ -134,6 +134,8 @@ class ChunkedScanner:
     ``feed(data)`` returns how many bytes of ``data`` belong to the body (all of it until the last
     chunk and trailers arrive); ``done`` turns true at the end. With ``decode=True`` the chunk
     payloads are also collected in ``payloads`` (for clients that cannot take chunked framing).
+    ``events`` counts the chunks begun (engines write one SSE event per chunk), for the relay
+    pumps' per-event facts (``router.relay.StreamFacts``).
     The native pump's scanner (``router/_pump.c``, ``scan``) is the same state machine with the
     same state (``snapshot``/``resume``), held to the same results by
     tests/test_framing_differential.py."""
@@ -146,6 +148,7 @@ class ChunkedScanner:
         self._state = self._SIZE
         self._remaining = 0  # bytes left in the chunk's data, or of its CRLF (2: CR next, 1: LF)
         self._line = b""
+        self.events = 0
 
     @classmethod
     def resume(cls, state: int, remaining: int, line: bytes) -> ChunkedScanner:
@@ -191,7 +194,9 @@ class ChunkedScanner:
                 i = nl + 1
                 if not size:
                     self._state = self._TRAILER
-                elif i + size + 2 <= n and not self.decode:
+                    continue
+                self.events += 1
+                if i + size + 2 <= n and not self.decode:
                     i += size
                     if data[i : i + 2] != b"\r\n":
                         raise UpstreamBroken(f"chunk data not followed by CRLF: {data[i : i + 2]!r}")
@@ -229,6 +234,7 @@ class ChunkedScanner:
                 if state == self._SIZE:
                     size = _chunk_size(line)
                     if size:
+                        self.events += 1
                         self._state, self._remaining = self._DATA, size
                     else:
                         self._state = self._TRAILER

@@ -27,6 +27,13 @@ Back-pressure. A client that reads slower than its engine writes fills its socke
 then stops reading the engine (its interest moves to the client's socket becoming writable) until
 the buffer drains, so memory per stream stays bounded by one ``recv``.
 
+Per-event facts for /metrics. Where a pump handles each event anyway (the read and the chunk
+scan), it also notes what the router's histograms need: how many events (chunks) a body had, when
+its first came and the gaps between them (bucket counts over ``ITL_BUCKETS``), and, for a response
+whose token usage the router reads, the body's last ``TAIL_BYTES`` bytes. These travel with the
+job's result (``StreamFacts``), and the router folds them into its metrics once per response:
+no Python runs per event on the native pump, and nothing is parsed per chunk.
+
 Two implementations, one contract. ``NativeRelayPump`` runs the loop above in a thread of C
 (``router/_pump.c``) that never takes the GIL: a relayed event then costs the router its
 ``epoll_wait``, ``recv`` and ``send`` and nothing of the interpreter's, and the trio side wakes
@@ -41,6 +48,8 @@ from __future__ import annotations
 import os
 import select
 import socket
+import time
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Protocol
 
@@ -69,6 +78,76 @@ MAX_COALESCE_US = 100_000  # as router/_pump.c checks
 DEFAULT_COALESCE_US = 500
 MAX_EVENTS = 512  # per wake-up; the rest wait for the next round, after other tasks had theirs
 
+#: Bucket bounds (seconds) of the gaps between a stream's events (inter-token latency). Engines
+#: decode a token in about 5 to 100 ms, slower under load or with long contexts, and a stalled one
+#: is cut off by the stream idle timeout; the lowest bounds catch events that arrived together (a
+#: gap of 0 s: the engine wrote them in one step, or the coalescing pause batched them).
+ITL_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
+    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+)  # fmt: skip
+#: The bytes of a body's end kept for usage (the usage chunk and [DONE] of a stream that asked for
+#: ``stream_options.include_usage``, or a JSON body's ``usage`` object): a usage event is a few
+#: hundred bytes.
+TAIL_BYTES = 4096  # as router/_pump.c's TAIL_BYTES
+
+
+class StreamFacts:
+    """What a pump learned about one response body while relaying it, read by the router once
+    the body ended (``Router`` folds it into ``/metrics``): ``events`` (chunks begun), ``first_at``
+    and ``last_at`` (``time.monotonic`` seconds of the reads that brought the first and the last),
+    the gaps between consecutive events as ``gaps`` (counts per bucket of ``bounds``, the last
+    slot for gaps above every bound) and ``gap_sum``, and ``tail`` (with ``want_tail``: the body's
+    last ``TAIL_BYTES`` bytes). Events read together are 0 s apart. The Python pump updates it per
+    read; the native one hands its own counts over once (``absorb``)."""
+
+    __slots__ = ("bounds", "events", "first_at", "gap_sum", "gaps", "last_at", "tail", "want_tail")
+
+    def __init__(self, bounds: tuple[float, ...] = ITL_BUCKETS, *, want_tail: bool = False) -> None:
+        self.bounds = bounds
+        self.want_tail = want_tail
+        self.events = 0
+        self.first_at = self.last_at = self.gap_sum = 0.0
+        self.gaps = [0] * (len(bounds) + 1)
+        self.tail = b""
+
+    def saw(self, count: int, now: float) -> None:
+        """``count`` events began in one read at ``now``."""
+        if count <= 0:
+            return
+        if self.last_at:
+            gap = now - self.last_at
+            self.gaps[bisect_left(self.bounds, gap)] += 1
+            self.gap_sum += gap
+        else:
+            self.first_at = now
+        if count > 1:
+            self.gaps[bisect_left(self.bounds, 0.0)] += count - 1
+        self.events += count
+        self.last_at = now
+
+    def keep(self, data: bytes) -> None:
+        """Body bytes relayed: the tail keeps the last ``TAIL_BYTES`` (with ``want_tail``)."""
+        if self.want_tail and data:
+            self.tail = (self.tail + data)[-TAIL_BYTES:] if len(data) < TAIL_BYTES else data[-TAIL_BYTES:]
+
+    def absorb(self, native: tuple[int, float, float, float, tuple[int, ...], bytes | None] | None) -> None:
+        """Add the native pump's facts for the part of the body it relayed (it went on from
+        ``last_at``, so its first gap is already counted against the events before it)."""
+        if native is None:
+            return
+        events, first_at, last_at, gap_sum, gaps, tail = native
+        if events:
+            if not self.events:
+                self.first_at = first_at
+            self.events += events
+            self.last_at = last_at
+            self.gap_sum += gap_sum
+            for i, n in enumerate(gaps):
+                self.gaps[i] += n
+        if tail:
+            self.keep(tail)
+
 
 class Scanner(Protocol):
     """What the pumps need from a body framing scanner (``router.ChunkedScanner``): the Python
@@ -77,6 +156,9 @@ class Scanner(Protocol):
 
     @property
     def done(self) -> bool: ...
+
+    @property
+    def events(self) -> int: ...
 
     def feed(self, data: bytes) -> int: ...
 
@@ -90,7 +172,9 @@ class Pump(Protocol):
 
     async def run(self, *, task_status: trio.TaskStatus[None] = ...) -> None: ...
 
-    async def relay(self, up: socket.socket, client_fd: int, scanner: Scanner) -> bool: ...
+    async def relay(
+        self, up: socket.socket, client_fd: int, scanner: Scanner, facts: StreamFacts | None = None
+    ) -> bool: ...
 
     def stats(self) -> tuple[int, int]: ...
 
@@ -99,27 +183,33 @@ class Pump(Protocol):
     @property
     def kind(self) -> str: ...
 
+    @property
+    def gap_bounds(self) -> tuple[float, ...]: ...
 
-def make_pump(kind: str | None = None, coalesce_us: int = 0) -> Pump:
+
+def make_pump(
+    kind: str | None = None, coalesce_us: int = 0, gap_bounds: tuple[float, ...] = ITL_BUCKETS
+) -> Pump:
     """The native pump when it is built, else the Python one; ``kind`` (default: the
     ``LLMGW_RELAY`` environment variable) may ask for ``native`` or ``python`` explicitly.
     ``coalesce_us``: the upper bound of the native pump's pause after each wake-up (``_pump.c``,
     ``serve``), so that the tokens one decode step writes to many streams are relayed by one
     wake-up; the pause adapts below it (zero at one stream, and cut short by a response's first
     event), so a lone stream's first token is not delayed. The Python pump has no such pause
-    (each of its wake-ups costs a trio round anyway)."""
+    (each of its wake-ups costs a trio round anyway). ``gap_bounds``: the buckets of the gaps
+    between a body's events (``StreamFacts``)."""
     kind = kind or os.environ.get("LLMGW_RELAY", "") or "auto"
     if not 0 <= coalesce_us <= MAX_COALESCE_US:
         raise ValueError(f"relay coalescing must be 0 to {MAX_COALESCE_US} us, got {coalesce_us}")
     if kind == "python" or (kind == "auto" and _pump is None):
-        return PythonRelayPump()
+        return PythonRelayPump(gap_bounds)
     if kind in ("native", "auto"):
         if _pump is None:
             raise RuntimeError(
                 "LLMGW_RELAY=native: the native relay pump (router/_pump.c) was not built; "
                 "install llmgw where a C compiler is available, or use LLMGW_RELAY=python"
             )
-        return NativeRelayPump(coalesce_us)
+        return NativeRelayPump(coalesce_us, gap_bounds)
     raise ValueError(f"LLMGW_RELAY={kind!r}: expected native, python or auto")
 
 
@@ -159,10 +249,29 @@ class Response:
 
 
 class _Job:
-    __slots__ = ("client_fd", "extra", "finished", "pending", "scanner", "task", "up", "up_fd", "watching")
+    __slots__ = (
+        "client_fd",
+        "extra",
+        "facts",
+        "finished",
+        "pending",
+        "scanner",
+        "task",
+        "up",
+        "up_fd",
+        "watching",
+    )
 
-    def __init__(self, up: socket.socket, client_fd: int, scanner: Scanner, task: trio.lowlevel.Task) -> None:
+    def __init__(
+        self,
+        up: socket.socket,
+        client_fd: int,
+        scanner: Scanner,
+        task: trio.lowlevel.Task,
+        facts: StreamFacts,
+    ) -> None:
         self.up = up
+        self.facts = facts
         self.up_fd = up.fileno()
         self.client_fd = client_fd
         self.scanner = scanner
@@ -179,14 +288,15 @@ class NativeRelayPump:
 
     kind = "native"
 
-    def __init__(self, coalesce_us: int = 0) -> None:
+    def __init__(self, coalesce_us: int = 0, gap_bounds: tuple[float, ...] = ITL_BUCKETS) -> None:
         self.coalesce_us = coalesce_us
+        self.gap_bounds = gap_bounds
         self._native: _pump.Pump | None = None
         self._parked: dict[int, trio.lowlevel.Task] = {}  # engine descriptor -> owning task
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve relays until cancelled; jobs still parked then fail with ``RelayClosed``."""
-        native = self._native = _pump.Pump(coalesce_us=self.coalesce_us)
+        native = self._native = _pump.Pump(coalesce_us=self.coalesce_us, gap_bounds=self.gap_bounds)
         parked = self._parked
         try:
             task_status.started()
@@ -213,16 +323,20 @@ class NativeRelayPump:
         /metrics: reads per wake-up is what the pause buys."""
         return self._native.counters() if self._native is not None else (0, 0, 0)
 
-    async def relay(self, up: socket.socket, client_fd: int, scanner: Scanner) -> bool:
+    async def relay(
+        self, up: socket.socket, client_fd: int, scanner: Scanner, facts: StreamFacts | None = None
+    ) -> bool:
         """As ``PythonRelayPump.relay``; ``scanner``'s state moves to the thread, and comes back
         into ``scanner`` when the relay is cancelled (where the body stopped, for the router's
-        stall handling); a relay that ended leaves the object as it was."""
+        stall handling); a relay that ended leaves the object as it was. ``facts`` gets the
+        thread's facts for this part of the body, however it ended."""
         native = self._native
         if native is None:
             raise RelayClosed("the relay pump is not running")
         up_fd = up.fileno()
-        native.add(up_fd, client_fd, *scanner.snapshot())
-        code, extra, message, _, _, _ = await self._wait(native, up_fd, scanner=scanner)
+        since, want_tail = (facts.last_at, facts.want_tail) if facts is not None else (0.0, False)
+        native.add(up_fd, client_fd, *scanner.snapshot(), since, want_tail)
+        code, extra, message, _, _, _ = await self._wait(native, up_fd, scanner=scanner, facts=facts)
         if code != _pump.DONE:
             raise (EngineClosed if code == _pump.ENGINE else ClientGone)(message)
         return not extra
@@ -234,6 +348,7 @@ class NativeRelayPump:
         suffix: bytes,
         on_head: Callable[[float], None],
         scanner: Scanner | None = None,
+        facts: StreamFacts | None = None,
     ) -> Response:
         """Relay a whole response from its head: the engine's head, rewritten for the client
         with ``suffix`` (the router's own headers and the blank line) appended, then the body,
@@ -244,13 +359,14 @@ class NativeRelayPump:
         wake-up of its task for the head, and the first token goes out with it when it came
         along. ``on_head(sent_at)`` (``time.monotonic`` seconds) is called once if the head went
         out, however the response ends: completed, failed, or cancelled (the client left).
-        ``scanner``, if given, gets the body's chunk state when the response is cancelled."""
+        ``scanner``, if given, gets the body's chunk state when the response is cancelled, and
+        ``facts`` the body's facts however it ended."""
         native = self._native
         if native is None:
             raise RelayClosed("the relay pump is not running")
         up_fd = up.fileno()
-        native.respond(up_fd, client_fd, suffix)
-        code, extra, message, data, errno, sent_at = await self._wait(native, up_fd, on_head, scanner)
+        native.respond(up_fd, client_fd, suffix, facts is not None and facts.want_tail)
+        code, extra, message, data, errno, sent_at = await self._wait(native, up_fd, on_head, scanner, facts)
         if sent_at:
             on_head(sent_at)
         if code == _pump.DONE:
@@ -267,10 +383,11 @@ class NativeRelayPump:
         up_fd: int,
         on_head: Callable[[float], None] | None = None,
         scanner: Scanner | None = None,
+        facts: StreamFacts | None = None,
     ) -> tuple[int, bool, str, bytes | None, int, float]:
         """Park the calling task until the thread reports on ``up_fd``'s job; when the task is
         cancelled instead, ``on_head`` learns when the job's head went out, if it did, and
-        ``scanner`` takes the thread's chunk state back.
+        ``scanner`` takes the thread's chunk state back. ``facts`` absorbs the job's facts either way.
 
         A job that ended before the cancellation came, its result not collected yet, returns
         that result: the cancellation is not lost (it is raised at the task's next checkpoint),
@@ -282,9 +399,11 @@ class NativeRelayPump:
 
         def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
             self._parked.pop(up_fd, None)
-            sent_at, ended, state = native.withdraw(up_fd)
+            sent_at, ended, state, running = native.withdraw(up_fd)
             if state is not None and scanner is not None:
                 scanner.restore(*state)
+            if facts is not None:
+                facts.absorb(running)
             if ended is not None:
                 trio.lowlevel.reschedule(task, outcome.Value(ended))
                 return trio.lowlevel.Abort.FAILED
@@ -292,10 +411,10 @@ class NativeRelayPump:
                 on_head(sent_at)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        result: tuple[
-            int, int, bool, str, bytes | None, int, float
-        ] = await trio.lowlevel.wait_task_rescheduled(abort)
-        return result[1:]
+        result: _pump.Result = await trio.lowlevel.wait_task_rescheduled(abort)
+        if facts is not None:
+            facts.absorb(result[7])
+        return result[1:7]
 
 
 class PythonRelayPump:
@@ -304,7 +423,8 @@ class PythonRelayPump:
 
     kind = "python"
 
-    def __init__(self) -> None:
+    def __init__(self, gap_bounds: tuple[float, ...] = ITL_BUCKETS) -> None:
+        self.gap_bounds = gap_bounds
         self._epoll: select.epoll | None = None
         self._jobs: dict[int, _Job] = {}  # watched descriptor -> job
         self._wakeups = self._reads = 0
@@ -348,14 +468,19 @@ class PythonRelayPump:
             blocked += fd == job.client_fd
         return streams, blocked
 
-    async def relay(self, up: socket.socket, client_fd: int, scanner: Scanner) -> bool:
+    async def relay(
+        self, up: socket.socket, client_fd: int, scanner: Scanner, facts: StreamFacts | None = None
+    ) -> bool:
         """Relay the rest of a chunked body from ``up`` to ``client_fd``, as it arrives, byte for
         byte. Returns whether ``up`` may carry another request (the body ended exactly at its last
         chunk). Raises ``EngineClosed``, ``ClientGone``, ``RelayClosed`` or what the scanner raises on
-        a malformed chunk; when cancelled, the job is withdrawn first."""
+        a malformed chunk; when cancelled, the job is withdrawn first. ``facts`` is kept up to
+        date per read (``StreamFacts``)."""
         if self._epoll is None:
             raise RelayClosed("the relay pump is not running")
-        job = _Job(up, client_fd, scanner, trio.lowlevel.current_task())
+        if facts is None:
+            facts = StreamFacts(self.gap_bounds)
+        job = _Job(up, client_fd, scanner, trio.lowlevel.current_task(), facts)
         self._watch(job, job.up_fd, select.EPOLLIN)
 
         def abort(_: Callable[[], object]) -> trio.lowlevel.Abort:
@@ -379,10 +504,16 @@ class PythonRelayPump:
             self._finish(job, outcome.Error(EngineClosed("the engine closed the connection mid-response")))
             return
         self._reads += 1
-        used = job.scanner.feed(data)
+        scanner = job.scanner
+        before = scanner.events
+        used = scanner.feed(data)
         if used < len(data):
             job.extra = True
             data = data[:used]
+        if scanner.events != before:
+            job.facts.saw(scanner.events - before, time.monotonic())
+        if job.facts.want_tail:
+            job.facts.keep(data)
         self._send(job, data)
 
     def _writable(self, job: _Job) -> None:

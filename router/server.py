@@ -115,7 +115,7 @@ from router.http1 import (
     status_block,
 )
 from router.limits import ClientLimits, connection_cap
-from router.metrics import Metrics
+from router.metrics import UNKNOWN_MODEL, Metrics, monotonic_of
 from router.pool import Pool
 from router.relay import (
     DEFAULT_COALESCE_US,
@@ -126,6 +126,7 @@ from router.relay import (
     NativeRelayPump,
     RelayClosed,
     Response,
+    StreamFacts,
     make_pump,
 )
 from router.routes import ModelRoutes, RoutesFn, Target, Upstream
@@ -139,6 +140,7 @@ from router.stalls import (
     writable,
 )
 from router.upstream import UpstreamConn
+from telemetry.version import version
 
 log = logging.getLogger("llmgw.router")
 
@@ -224,6 +226,12 @@ class _Exchange:
     complete: bool = False
     #: The request asked for a streamed (SSE) answer.
     stream: bool = False
+    #: The response's usage is read from its last bytes: a JSON body, or a stream that asked for
+    #: ``stream_options.include_usage``.
+    want_usage: bool = False
+    #: What the relay learned about the response body (``router.relay.StreamFacts``), folded into
+    #: /metrics once the request is answered.
+    facts: StreamFacts | None = None
     #: While the client's body is chunked: whether what it got so far ends with a whole chunk,
     #: so that an error event and the last chunk can still be appended (see ``_timed_out``).
     at_chunk_end: Callable[[], bool] | None = None
@@ -311,7 +319,7 @@ class Router:
         self.pool = Pool(
             max_idle=pool_max_idle, idle_timeout=pool_idle_timeout, connect_timeout=connect_timeout
         )
-        self.metrics = Metrics()
+        self.metrics = Metrics(version())
         self.pump = make_pump(coalesce_us=relay_coalesce_us)
         self.created = int(time.time())
 
@@ -531,8 +539,11 @@ class Router:
                 else:
                     self._authorize_metrics(ex)
                     self.metrics.client_connections = self.connections
-                    data = self.metrics.exposition(self.balancer, self.pool, self.pump, self.clock())
-                    await self._send(ex, 200, data, b"text/plain; version=0.0.4; charset=utf-8")
+                    accept = b", ".join(v for k, v in head.headers if k == b"accept").decode("latin-1")
+                    data, content_type = await self.metrics.scrape(
+                        self.balancer, self.pool, self.pump, self.clock(), accept
+                    )
+                    await self._send(ex, 200, data, content_type.encode())
                 return
             if path != MODELS and path not in PROXIED:
                 raise RouterError(
@@ -661,6 +672,7 @@ class Router:
         table = self.routes()
         routes = table.get(model)
         if routes is None:
+            ex.model = UNKNOWN_MODEL  # the metrics' label: a client cannot grow the series
             waiting = self.pending() if self.pending is not None else ""
             if waiting:
                 raise RouterError(
@@ -675,6 +687,8 @@ class Router:
             )
         ex.model = model
         ex.stream = doc.get("stream") is True
+        options = doc.get("stream_options")
+        ex.want_usage = not ex.stream or (isinstance(options, dict) and options.get("include_usage") is True)
         if not routes.upstreams:
             why = routes.reason or "no replica is ready"
             raise RouterError(
@@ -704,6 +718,10 @@ class Router:
                 raise
             self._client_left(model)
             raise _ClientGone() from None
+        finally:
+            if ex.facts is not None:  # once per response, however it ended
+                since = monotonic_of(self.clock(), ex.started) if ex.stream else None
+                self.metrics.body_ended(model, ex.facts, since)
         self.metrics.request(model, ex.status)
 
     def _client_left(self, model: str) -> None:
@@ -893,6 +911,7 @@ class Router:
         )
         pump = cast(NativeRelayPump, self.pump)
         scanner = ChunkedScanner()  # where the body stopped, handed back if the pump is withdrawn
+        facts = ex.facts = StreamFacts(pump.gap_bounds, want_tail=ex.want_usage)
         ex.at_chunk_end = lambda: scanner.at_chunk_end
 
         def head_out(sent_at: float) -> None:
@@ -901,7 +920,7 @@ class Router:
             self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - sent_at))
 
         try:
-            answer = await pump.respond(conn.sock, ex.fd, suffix, head_out, scanner)
+            answer = await pump.respond(conn.sock, ex.fd, suffix, head_out, scanner, facts)
         except EngineClosed as exc:  # after the head, or a malformed first chunk with it
             self.balancer.succeeded(upstream)
             self.metrics.upstream_error(upstream, "mid_stream")
@@ -1017,6 +1036,7 @@ class Router:
         by the engine's socket directly, that is sooner than a wake-up through trio's loop, and
         it spares this task one wake-up per request."""
         scanner = ChunkedScanner()
+        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_usage)
         try:
             used = scanner.feed(buf) if buf else 0
         except _UpstreamBroken as exc:  # came with the head, which has not gone out: a 502
@@ -1032,9 +1052,11 @@ class Router:
         # and hands it back when the relay is withdrawn (a stalled engine, see _timed_out).
         ex.at_chunk_end = lambda: scanner.at_chunk_end
         await self._write(ex, out + buf[:used])
+        facts.saw(scanner.events, time.monotonic())
+        facts.keep(buf[:used])
         if not scanner.done:
             try:
-                extra = not await self.pump.relay(conn.sock, ex.fd, scanner)
+                extra = not await self.pump.relay(conn.sock, ex.fd, scanner, facts)
             except EngineClosed as exc:
                 raise _UpstreamBroken(str(exc)) from None
             except (ClientGone, RelayClosed) as exc:
@@ -1051,16 +1073,21 @@ class Router:
         remaining = head.length
         extra = False
         data = buf
+        # Bodies here are JSON answers and errors (streams take _relay_chunked): only their
+        # last bytes matter, for usage; a rare decoded stream counts its events too.
+        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_usage)
         if encode:  # chunks written here, whole, by this task
             ex.at_chunk_end = _whole_engine_chunks
         while True:
             done = False
             if data:
                 if scanner is not None:
+                    before = scanner.events
                     used = scanner.feed(data)
                     extra = extra or used < len(data)
                     pieces, scanner.payloads = scanner.payloads, []
                     done = scanner.done
+                    facts.saw(scanner.events - before, time.monotonic())
                 elif head.framing == LENGTH:
                     if len(data) > remaining:
                         extra, data = True, data[:remaining]
@@ -1068,6 +1095,8 @@ class Router:
                     pieces, done = [data], remaining == 0
                 else:
                     pieces = [data]
+                for piece in pieces:
+                    facts.keep(piece)
                 out += b"".join(chunk(p) for p in pieces if p) if encode else b"".join(pieces)
             if out:
                 await self._write(ex, out)

@@ -1,7 +1,8 @@
 """One definition of chunked framing: the Python scanner (``router.framing.ChunkedScanner``, which
 the router's task and the Python pump run) and the native pump's (``router/_pump.c``, ``scan``,
 reached through ``_pump.scan_chunked``) must give the same answer for every input, however it is
-split into reads: the bytes that belong to the body, the state they stop in, done, or an error.
+split into reads: the bytes that belong to the body, the state they stop in, done, or an error,
+and the chunks begun (the events the pumps' per-event facts for /metrics count).
 
 A disagreement is a framing hole: one path would relay bytes of the next response to a client, or
 take a body's end where the other does not."""
@@ -22,7 +23,8 @@ _pump = pytest.importorskip("router._pump", reason="the native relay pump (route
 # More under ``nox -s fuzz`` (tests/fuzz/asan.py), where the native scanner runs under the sanitizers.
 EXAMPLES = int(os.environ.get("LLMGW_FUZZ_EXAMPLES", "600"))
 
-Outcome = tuple[str, int, tuple[int, int, bytes]]  # ("ok" or "error", bytes used, state after)
+# ("ok" or "error", bytes used, state after, chunks begun so far)
+Outcome = tuple[str, int, tuple[int, int, bytes], int]
 
 
 def python_feeds(parts: list[bytes], *, decode: bool = False) -> tuple[list[Outcome], ChunkedScanner]:
@@ -32,9 +34,9 @@ def python_feeds(parts: list[bytes], *, decode: bool = False) -> tuple[list[Outc
         try:
             used = scanner.feed(part)
         except UpstreamBroken:
-            out.append(("error", -1, (0, 0, b"")))
+            out.append(("error", -1, (0, 0, b""), 0))
             break
-        out.append(("ok", used, scanner.snapshot()))
+        out.append(("ok", used, scanner.snapshot(), scanner.events))
         if scanner.done:
             break
     return out, scanner
@@ -43,14 +45,16 @@ def python_feeds(parts: list[bytes], *, decode: bool = False) -> tuple[list[Outc
 def native_feeds(parts: list[bytes]) -> list[Outcome]:
     state: tuple[int, int, bytes] = (0, 0, b"")
     out: list[Outcome] = []
+    events = 0
     for part in parts:
-        used, after, error = _pump.scan_chunked(*state, part)
+        used, after, error, begun = _pump.scan_chunked(*state, part)
         if error is not None:
             assert used == -1
-            out.append(("error", -1, (0, 0, b"")))
+            out.append(("error", -1, (0, 0, b""), 0))
             break
         state = after
-        out.append(("ok", used, state))
+        events += begun
+        out.append(("ok", used, state, events))
         if state[0] == 4:  # done
             break
     return out
@@ -69,7 +73,7 @@ def check_same(data: bytes, cuts: list[int]) -> None:
     else:
         assert sum(o[1] for o in py) == whole[-1][1] and py[-1][2] == whole[-1][2], (data, parts)
     decoded, dscanner = python_feeds(parts, decode=True)
-    assert [(o[0], o[1]) for o in decoded] == [(o[0], o[1]) for o in py], "decode changes the framing"
+    assert [(o[0], o[1], o[3]) for o in decoded] == [(o[0], o[1], o[3]) for o in py], "decode changes the framing"
     del scanner, dscanner
 
 

@@ -784,10 +784,11 @@ async def test_the_relay_counters_reach_metrics(nursery: trio.Nursery, relay_kin
 
     router = Router(dict)
     await nursery.start(router.pump.run)
-    text = router.metrics.exposition(router.balancer, router.pool, router.pump, 0.0).decode()
+    data, _ = await router.metrics.scrape(router.balancer, router.pool, router.pump, 0.0)
+    text = data.decode()
     for name in ("wakeups", "pauses", "reads"):
         assert f"# TYPE llmgw_router_relay_{name}_total counter" in text
-        assert f"llmgw_router_relay_{name}_total 0" in text
+        assert f"llmgw_router_relay_{name}_total 0.0" in text
 
 
 @pytest.mark.parametrize(

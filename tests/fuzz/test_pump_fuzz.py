@@ -135,6 +135,6 @@ def test_random_bytes_through_the_scanner_entry_point() -> None:
         data = engine_bytes(rng)
         state = rng.choice([(0, 0, b""), (1, rng.randint(1, 1 << 40), b""), (2, 1, b""), (2, 2, b"")])
         state = rng.choice([state, (0, 0, rng.randbytes(rng.randint(0, 4096))), (3, 0, b"x:")])
-        used, after, error = _pump.scan_chunked(*state, data)
+        used, after, error, _ = _pump.scan_chunked(*state, data)
         assert (used == -1) == (error is not None)
         assert -1 <= used <= len(data) and len(after[2]) <= 4096
