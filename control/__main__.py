@@ -1,9 +1,13 @@
 """``python -m control --config llmgw.toml`` runs the control plane; ``python -m control ctl ...`` asks it.
 
 ``ctl`` (``control.ctl``) is the operator's client: ``get nodes|replicas|models``, ``describe``,
-``logs -f``, ``cordon``, ``drain`` and the rest, each with ``--help``. Exit status, for both: 0 done,
-1 the operation failed (the API said no, or could not be reached), 2 a usage mistake (for the
-server: a configuration it cannot run).
+``logs -f``, ``apply -f``, ``scale``, ``delete``, ``cordon``, ``drain`` and the rest, each with
+``--help``. Exit status, for both: 0 done, 1 the operation failed (the API said no, or could not be
+reached), 2 a usage mistake (for the server: a configuration it cannot run).
+
+SIGHUP makes a running control plane read its llmgw.toml again and apply the ``[[models]]`` by the
+file rule (``MODELS_RULE`` below, ``control.catalog``); a file it cannot parse is logged as one error
+naming the key and line, and nothing changes.
 """
 
 from __future__ import annotations
@@ -27,13 +31,52 @@ from control.ctl import EXIT_CODES, ctl, version
 from control.ctl import render as render  # re-exported: tests and scripts import it from here
 
 if TYPE_CHECKING:
+    import trio
+
     from control.config import ControlConfig
     from control.plane import ControlPlane
 
 log = logging.getLogger("llmgw.control")
 
+#: The file rule, for ``--help`` (the README's "Models as objects" says the same).
+MODELS_RULE = """models as objects:
+  llmgw.toml's [[models]] are the declarative starting point; ctl apply -f, scale and delete
+  change models at run time, and the control plane keeps them in its state across restarts.
+  On start and on SIGHUP it applies the file's [[models]]:
+    - a model new in the file is created;
+    - a model whose table in the file changed since the file last applied it takes the file's
+      definition (the file changed, the file wins over ctl apply and ctl scale);
+    - a model whose table did not change keeps what ctl made of it (a restart never reverts a scale);
+    - a model that came from the file and left it is deleted (drained, stopped, then gone);
+    - a model that exists only through ctl apply stays.
+  ctl delete refuses a model the file defines: remove its table and send SIGHUP instead.
+  SIGHUP applies [[models]] only; other changed settings are named in a warning and wait for a
+  restart. A file that does not parse is logged (key and line) and changes nothing."""
 
-async def _serve(plane: ControlPlane) -> None:
+
+async def _reload(plane: ControlPlane, path: Path, lock: trio.Lock) -> None:
+    """SIGHUP: read and parse llmgw.toml in a worker thread, then apply its ``[[models]]``
+    (``ControlPlane.reload_config``). A file that cannot be read or parsed is one error line naming
+    the key and line, and the control plane keeps running as it was."""
+    import trio
+
+    from control.config import ConfigError, parse, read
+
+    async with lock:  # one reload at a time: two quick SIGHUPs apply the file twice, in order
+        if not plane.config.runs_control_plane:
+            log.warning("SIGHUP: a router-only run has no models to apply; restart it to read %s", path)
+            return
+        try:
+            text = await trio.to_thread.run_sync(read, path)
+            config = await trio.to_thread.run_sync(parse, text, str(path))
+        except ConfigError as exc:
+            log.error("SIGHUP: %s; nothing was changed, the control plane runs on as it was", exc)
+            return
+        log.info("SIGHUP: applying the [[models]] of %s", path)
+        await plane.reload_config(config)
+
+
+async def _serve(plane: ControlPlane, config_path: Path | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop in order and return (the process exits 0).
 
     Stopping is bounded and keeps what a restart needs: cancelling ``plane.run`` makes its agent
@@ -44,8 +87,9 @@ async def _serve(plane: ControlPlane) -> None:
     """
     import trio
 
+    reloading = trio.Lock()
     async with trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             await nursery.start(plane.run)
             if plane.config.runs_control_plane:
                 print(
@@ -56,6 +100,10 @@ async def _serve(plane: ControlPlane) -> None:
             else:
                 print(f"llmgw router ready (router-only run): router :{plane.router_port}", flush=True)
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    if config_path is not None:
+                        nursery.start_soon(_reload, plane, config_path, reloading)
+                    continue
                 log.info(
                     "%s: stopping: GOAWAY to every agent, then the state is saved",
                     signal.Signals(signum).name,
@@ -88,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reconciles, serves the admin API and an embedded router.\n\n"
         "Ask a running one with ctl: python -m control ctl --help (get, describe, logs, drain ...).",
         epilog="exit status:\n  0  stopped by SIGTERM or SIGINT\n  2  a configuration it cannot run "
-        "(one line names the key, file and line)\n\nctl's own:\n" + EXIT_CODES.split("\n", 1)[1],
+        "(one line names the key, file and line)\n\nctl's own:\n"
+        + EXIT_CODES.split("\n", 1)[1]
+        + "\n\n"
+        + MODELS_RULE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"llmgw control plane {version()}")
@@ -119,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tune_gc()
     try:
-        trio.run(_serve, ControlPlane(config))
+        trio.run(_serve, ControlPlane(config), args.config)
     except (OSError, ExceptionGroup) as exc:
         # The ports were free a moment ago (startup_problems); one taken since is still one line.
         lost = _bind_errors(exc)

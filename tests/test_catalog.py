@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,78 @@ def test_apply_scale_and_delete_a_model_through_ctl(tmp_path: Path) -> None:
         gone = cp.ctl("delete", new)
         assert gone.returncode == 1 and "HTTP 404" in gone.stderr
         del agent
+
+
+def test_the_catalog_survives_a_kill9_restart_and_no_engine_restarts(tmp_path: Path) -> None:
+    """An applied model and a ``ctl scale`` of a file model are in the state file: after a kill -9
+    and a start with the same llmgw.toml both are still there, and every engine is the one that
+    ran before (adopted, not started again)."""
+    tag = f"r{os.getpid()}"
+    base, new = f"base-{tag}", f"applied-{tag}"
+    with one_node(tmp_path, model_toml(base), "24850-24899") as (cp, agent):
+        path = tmp_path / "model.toml"
+        path.write_text(model_toml(new))
+        assert cp.ctl("apply", "-f", str(path)).returncode == 0
+        assert cp.ctl("scale", base, "2").returncode == 0
+        poll(f"{base} at 2 ready", lambda: ready_count(cp, base, 2))
+        poll(f"{new} ready", lambda: ready_count(cp, new, 1))
+        engines = agent.marked_engines()
+        assert len(engines) == 3, engines
+        cp.kill9()
+        cp.start()
+        models = get_models(cp)
+        assert models[new]["source"] == "api" and models[new]["generation"] == 1
+        assert models[base]["replicas_wanted"] == 2 and models[base]["generation"] == 2
+        poll(f"{base} at 2 ready again", lambda: ready_count(cp, base, 2))
+        poll(f"{new} ready again", lambda: ready_count(cp, new, 1))
+        assert chat(cp, new).strip()
+        assert agent.marked_engines() == engines
+
+
+def test_sighup_applies_the_file_and_a_broken_file_changes_nothing(tmp_path: Path) -> None:
+    """SIGHUP: a file model whose table changed takes the file's definition, a model that left the
+    file is deleted, a model only applied stays, another changed setting is named as needing a
+    restart; then a file that does not parse is one error naming key and line, and everything runs
+    on as it was."""
+    tag = f"h{os.getpid()}"
+    kept, dropped, applied = f"kept-{tag}", f"dropped-{tag}", f"applied-{tag}"
+    with one_node(tmp_path, model_toml(kept) + model_toml(dropped), "24900-24949") as (cp, _agent):
+        path = tmp_path / "model.toml"
+        path.write_text(model_toml(applied))
+        assert cp.ctl("apply", "-f", str(path)).returncode == 0
+        for name in (kept, dropped, applied):
+            poll(f"{name} ready", lambda name=name: ready_count(cp, name, 1))
+        assert cp.proc is not None
+        original = cp.config.read_text()
+        changed = original.replace("reconcile_interval = 0.3", "reconcile_interval = 0.4")
+        changed = changed.replace(model_toml(kept), model_toml(kept, replicas=2))
+        changed = changed.replace(model_toml(dropped), "")
+        assert changed.count("[[models]]") == 1
+        cp.config.write_text(changed)
+        os.kill(cp.proc.pid, signal.SIGHUP)
+        poll(f"{kept} at 2 ready", lambda: ready_count(cp, kept, 2))
+        poll(f"{dropped} gone", lambda: dropped not in get_models(cp))
+        models = get_models(cp)
+        assert models[kept]["source"] == "file" and models[kept]["generation"] == 2
+        assert ready_count(cp, applied, 1)
+        log = cp.log.read_text()
+        assert f"model/{kept} configured (file)" in log
+        assert f"model/{dropped} deleting (file)" in log
+        assert "reconcile_interval changed; that takes effect at the next start" in log
+
+        broken = changed.replace(f'name = "{kept}"\nreplicas = 2', f'name = "{kept}"\nreplicas = "three"')
+        assert broken != changed
+        cp.config.write_text(broken)
+        line = broken.splitlines().index('replicas = "three"') + 1
+        os.kill(cp.proc.pid, signal.SIGHUP)
+        poll(
+            "the SIGHUP error",
+            lambda: (
+                f"models[0].replicas: expected an integer, got 'three' ({cp.config} line {line})"
+                in cp.log.read_text()
+            ),
+        )
+        assert "nothing was changed" in cp.log.read_text()
+        assert cp.proc.poll() is None
+        assert get_models(cp)[kept]["replicas_wanted"] == 2 and get_models(cp)[kept]["generation"] == 2
+        assert chat(cp, kept).strip() and chat(cp, applied).strip()
