@@ -214,9 +214,18 @@ def test_get_replicas_and_models(node: Node) -> None:
     wide = ctl("get", "models", HUGE, "-o", "wide", "--api", node.api)
     assert wide.returncode == 0, wide.stderr
     lines = wide.stdout.splitlines()
-    assert lines[0].split()[4:] == ["ENGINE", "SERVED-AS", "GPUS/SHARD", "NODES/REPLICA", "REASON"]
+    assert lines[0].split()[4:] == [
+        "ENGINE",
+        "SERVED-AS",
+        "GPUS/SHARD",
+        "NODES/REPLICA",
+        "GENERATION",
+        "SOURCE",
+        "REASON",
+    ]
     (huge,) = columns(wide.stdout)
     assert [huge["ENGINE"], huge["SERVED-AS"], huge["GPUS/SHARD"]] == ["sim", HUGE, "8"], huge
+    assert [huge["GENERATION"], huge["SOURCE"]] == ["1", "file"], huge
     assert huge["REASON"] == "0/1 nodes are available: 1 insufficient free GPUs (need 8, have 0 free).", huge
     doc = json.loads(ctl("get", "models", "--api", node.api, "--json").stdout)
     assert {m["model"]: m["replicas_ready"] for m in doc} == {CHAT: 1, CRASH: 1, HUGE: 0}
