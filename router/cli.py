@@ -4,7 +4,8 @@ The routes come from exactly one place: the control plane's route watch (``--con
 that the router keeps serving its last table while the control plane restarts, or a static list
 (``--static MODEL=URL``) for a router with no control plane at all. Every other setting is in
 ``router.config.RouterConfig`` (flags > ``LLMGW_ROUTER_*`` > ``--config router.toml`` >
-defaults). A configuration mistake is one line on stderr and exit status 2.
+defaults). A configuration mistake is one line on stderr and exit status 2. Logs go to stderr
+as ``--log-format`` (text or json, one object per line) and ``--log-level`` say (``telemetry.logs``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import trio
 from router.config import ConfigError, RouterConfig, load
 from router.routes import ModelRoutes, RoutesFn, static_routes
 from router.server import Router
+from telemetry.logs import setup_logging
+from telemetry.version import version
 
 log = logging.getLogger("llmgw.router")
 
@@ -75,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, ValueError) as exc:
         print(f"llmgw-router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(config.log_settings)
+    log.info("llmgw router %s starting: %s relay pump", version(), os.environ.get("LLMGW_RELAY") or "auto")
     failed: list[OSError] = []
     try:
         try:

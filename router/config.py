@@ -34,6 +34,8 @@ from router.limits import (
 from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
 from router.routes import parse_url
 from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
+from telemetry.logs import LOG_FORMAT_ENV, LOG_FORMATS, LOG_LEVEL_ENV, LOG_LEVELS, LogSettings
+from telemetry.version import version
 
 ENV_PREFIX = "LLMGW_ROUTER_"
 #: Read when present and no ``--config`` / ``LLMGW_ROUTER_CONFIG`` names another file.
@@ -89,6 +91,20 @@ def _optional_key(_: object, attribute: attrs.Attribute[str], value: str) -> Non
             f"must be empty or at least {MIN_KEY_CHARS} characters without blanks around them "
             f"(got {len(value)}); make one with `openssl rand -hex 16`",
         )
+
+
+def _one_of(choices: tuple[str, ...], what: str) -> Callable[[object, attrs.Attribute[str], str], None]:
+    def check(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+        if value not in choices:
+            raise FieldProblem(
+                attribute.name, f"{value[:40]!r} is not a {what}; use one of {', '.join(choices)}"
+            )
+
+    return check
+
+
+def _lower(value: str) -> str:
+    return value.strip().lower()
 
 
 def parse_static(entry: str) -> tuple[str, str]:
@@ -163,6 +179,11 @@ class RouterConfig:
     max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least(1))
     max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
     relay_coalesce_us: int = attrs.field(default=DEFAULT_COALESCE_US, validator=_coalesce)
+    #: Log lines: text for people, json for one object per line (``telemetry.logs``).
+    log_format: str = attrs.field(
+        default="text", converter=_lower, validator=_one_of(LOG_FORMATS, "log format")
+    )
+    log_level: str = attrs.field(default="info", converter=_lower, validator=_one_of(LOG_LEVELS, "log level"))
 
     def __attrs_post_init__(self) -> None:
         if self.eject_base > self.eject_max:
@@ -176,6 +197,12 @@ class RouterConfig:
             header_timeout=self.header_timeout,
             idle_timeout=self.client_idle_timeout,
             max_connections=self.max_connections,
+        )
+
+    @property
+    def log_settings(self) -> LogSettings:
+        return LogSettings(
+            format=typing.cast(typing.Literal["text", "json"], self.log_format), level=self.log_level
         )
 
     def static_routes(self) -> list[tuple[str, str]]:
@@ -219,6 +246,10 @@ FIELD_HELP: dict[str, str] = {
     "max_body_bytes": "the largest request body accepted",
     "relay_coalesce_us": f"the relay pump's pause after each wake-up, 0 to {MAX_COALESCE_US} "
     "microseconds (0: none): streamed tokens arriving together share a wake-up",
+    "log_format": f"log line format: text for people, json for one object per line (also {LOG_FORMAT_ENV}, "
+    "shared by every llmgw process, below this one)",
+    "log_level": f"lowest level logged: {', '.join(LOG_LEVELS)} (also {LOG_LEVEL_ENV}, shared by every "
+    "llmgw process, below this one)",
 }
 
 #: Settings given as a list: repeated flags (named in the singular), comma-separated variables.
@@ -241,6 +272,8 @@ _METAVARS = {
     "control_ca": "FILE",
     "max_body_bytes": "BYTES",
     "relay_coalesce_us": "US",
+    "log_format": "|".join(LOG_FORMATS),
+    "log_level": "LEVEL",
 }
 
 
@@ -400,6 +433,19 @@ def _from_flags(ns: argparse.Namespace) -> Layered:
     return Layered(values, sources)
 
 
+def _from_shared_env(environ: Mapping[str, str]) -> Layered:
+    """``LLMGW_LOG_FORMAT`` and ``LLMGW_LOG_LEVEL``, which every llmgw process reads (one unit
+    file or container setting for all three); ``LLMGW_ROUTER_LOG_*`` and the flags win over them."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, name in (("log_format", LOG_FORMAT_ENV), ("log_level", LOG_LEVEL_ENV)):
+        text = environ.get(name, "")
+        if text.strip():
+            values[key] = text
+            sources[key] = name
+    return Layered(values, sources)
+
+
 def _merge(*layers: Layered) -> Layered:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -428,6 +474,7 @@ def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
         "the defaults. Every setting's file key is its variable's name after LLMGW_ROUTER_, in "
         'lower case (api_keys = [...], static = ["MODEL=URL", ...]).',
     )
+    parser.add_argument("--version", action="version", version=f"llmgw router {version()}")
     parser.add_argument(
         "--config",
         type=Path,
@@ -477,7 +524,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if path is None and DEFAULT_CONFIG.exists():
         path = DEFAULT_CONFIG
     file_layer = _from_file(path) if path else Layered({}, {})
-    layered = _merge(file_layer, _from_env(environ), _from_flags(ns))
+    layered = _merge(file_layer, _from_shared_env(environ), _from_env(environ), _from_flags(ns))
     config = structure(layered)
     if bool(config.control) == bool(config.static):
         if config.control:

@@ -73,7 +73,9 @@ def check_same(data: bytes, cuts: list[int]) -> None:
     else:
         assert sum(o[1] for o in py) == whole[-1][1] and py[-1][2] == whole[-1][2], (data, parts)
     decoded, dscanner = python_feeds(parts, decode=True)
-    assert [(o[0], o[1], o[3]) for o in decoded] == [(o[0], o[1], o[3]) for o in py], "decode changes the framing"
+    assert [(o[0], o[1], o[3]) for o in decoded] == [(o[0], o[1], o[3]) for o in py], (
+        "decode changes the framing"
+    )
     del scanner, dscanner
 
 
@@ -216,3 +218,81 @@ def test_well_formed_framing_is_taken_by_both(data: bytes) -> None:
         py, scanner = python_feeds(parts)
         assert scanner.done and sum(o[1] for o in py) == len(data), (data, cut)
         assert native_feeds(parts) == py
+
+
+# -- the pumps' per-event facts ---------------------------------------------------------------------
+
+FACT_BOUNDS = (0.2, 5.0)  # gaps of events read together (~0 s), and of events 0.4 s or 1 s apart
+
+
+def event(text: bytes) -> bytes:
+    payload = b"data: " + text + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+async def pump_facts(kind: str) -> tuple[int, list[int], float, float, bytes]:
+    """One body through a real pump of ``kind``: a first event 1 s before the relay (as if it came
+    with the head), two events in one write, 0.4 s, half an event, the rest with one more and the
+    last chunk. Returns (events, gap counts per bucket, gap sum, first_at offset, tail)."""
+    import socket
+    import time
+
+    import trio
+
+    from router.relay import StreamFacts, make_pump
+    from tests.support import apoll
+
+    pump = make_pump(kind, 0, FACT_BOUNDS)
+    engine, up = socket.socketpair()
+    down, client = socket.socketpair()
+    for s in (engine, up, down, client):
+        s.setblocking(False)
+    got = bytearray()
+
+    def received(n: int) -> bool | None:
+        try:
+            got.extend(client.recv(1 << 16))
+        except BlockingIOError:
+            pass
+        return True if len(got) >= n else None
+
+    third = event(b"three")
+    parts = [event(b"one") + event(b"two"), third[:5], third[5:] + event(b"four") + b"0\r\n\r\n"]
+    body = b"".join(parts)
+    start = time.monotonic()
+    facts = StreamFacts(FACT_BOUNDS, want_tail=True)
+    facts.saw(1, start - 1.0)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pump.run)
+            nursery.start_soon(pump.relay, up, down.fileno(), ChunkedScanner(), facts)
+            engine.send(parts[0])
+            await apoll("the first write relayed", lambda: received(len(parts[0])))
+            await trio.sleep(0.4)  # the input's own timing: a gap of 0.4 s, not a wait for an event
+            engine.send(parts[1])
+            await apoll("the half event relayed", lambda: received(len(parts[0]) + len(parts[1])))
+            engine.send(parts[2])
+            await apoll("the whole body relayed", lambda: received(len(body)))
+            await apoll("the relay to end", lambda: True if pump.stats() == (0, 0) else None)
+            nursery.cancel_scope.cancel()
+    finally:
+        for s in (engine, up, down, client):
+            s.close()
+    assert bytes(got) == body
+    return facts.events, facts.gaps, facts.gap_sum, facts.first_at - start, facts.tail
+
+
+async def test_the_two_pumps_report_the_same_facts_for_the_same_body() -> None:
+    """The native pump (``_pump.c``, ``observe``) and the Python one (``StreamFacts.saw`` from
+    ``PythonRelayPump._readable``) count the same events, put the same gaps in the same buckets,
+    go on from the events before the relay (``since``), and keep the same tail."""
+    native = await pump_facts("native")
+    python = await pump_facts("python")
+    for events, gaps, gap_sum, first_at, tail in (native, python):
+        assert events == 5  # the one before the relay, then four chunks (the last chunk is no event)
+        # Gaps: 1 s from the event before the relay, 0 s (read together), 0.4 s (the third's size
+        # line), and the fourth a moment after the third's (the test's poll, far under 0.2 s).
+        assert gaps == [2, 2, 0], gaps
+        assert 1.4 <= gap_sum < 3.0 and abs(first_at + 1.0) < 1e-6
+        assert tail.endswith(b"0\r\n\r\n") and b"data: one" in tail
+    assert native[0] == python[0] and native[1] == python[1] and native[4] == python[4]

@@ -182,10 +182,10 @@ async def test_idle_and_slowloris_clients_are_closed_within_their_timeouts(
     assert idle_timeout - 0.2 <= min(kept_closed) and max(kept_closed) <= idle_timeout + slack, kept_closed
     metrics = (await trio.to_thread.run_sync(lambda: httpx.get(f"{router.url}/metrics", timeout=10))).text
     closed = dict(
-        re.findall(r'llmgw_router_client_connections_closed_total\{reason="(\w+)"\} (\d+)', metrics)
+        re.findall(r'llmgw_router_client_connections_closed_total\{reason="(\w+)"\} (\d+)\.0$', metrics, re.M)
     )
     assert int(closed["head"]) + int(closed.get("idle", 0)) >= 400, metrics  # the idle and slow ones
-    assert re.search(r"^llmgw_router_client_connections 1$", metrics, re.M), metrics  # the scrape's own
+    assert re.search(r"^llmgw_router_client_connections 1\.0$", metrics, re.M), metrics  # the scrape's own
 
 
 def test_connections_over_the_cap_get_a_503_and_a_freed_slot_serves_again(
@@ -223,7 +223,7 @@ def test_connections_over_the_cap_get_a_503_and_a_freed_slot_serves_again(
     for sock in held:
         sock.close()
     metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
-    assert re.search(r'closed_total\{reason="over_capacity"\} ([6-9]|\d\d+)$', metrics, re.M), metrics
+    assert re.search(r'closed_total\{reason="over_capacity"\} ([6-9]|\d\d+)\.0$', metrics, re.M), metrics
 
 
 def _non_loopback_address() -> str | None:
