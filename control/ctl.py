@@ -317,6 +317,11 @@ def describe_model(model: dict[str, Any]) -> str:
         f"Replicas:      {model['replicas_ready']} ready, {model['replicas_placed']} placed, "
         f"{model['replicas_wanted']} wanted",
         f"Per replica:   {model['nodes_per_replica']} node(s), {model['gpus_per_shard']} GPU(s) each",
+    ]
+    if model.get("generation"):
+        deleting = "; deleting: its engines drain and stop, then it is gone" if model.get("deleting") else ""
+        out.append(f"Generation:    {model['generation']} (source {_model_source(model)}){deleting}")
+    out += [
         "Placed:" if why["placed"] else "Placed:        none",
     ]
     for r in why["placed"]:

@@ -232,6 +232,10 @@ def test_apply_scale_and_delete_a_model_through_ctl(tmp_path: Path) -> None:
         assert out.returncode == 0 and out.stdout.strip() == f"model/{new} scaled", out
         poll(f"{new} at 2 ready", lambda: ready_count(cp, new, 2))
         assert get_models(cp)[new]["generation"] == 2
+        described = cp.ctl("describe", "model", new)
+        assert "Generation:    2 (source api)" in described.stdout, described
+        assert f"model/{new} scaled by ctl scale to 2 (generation 2)" in described.stdout
+        assert f"model/{new} created by ctl apply (generation 1)" in described.stdout
         out = cp.ctl("scale", new, "0")
         assert out.returncode == 0, out.stderr
         poll(f"{new} at 0", lambda: ready_count(cp, new, 0))
