@@ -286,6 +286,9 @@ def models_doc(
                 "source": entry.source.value if entry else "",
                 "in_file": entry is not None and entry.file_definition is not None,
                 "deleting": entry.deleting if entry else False,
+                # The template revision and its rollout's state (control.rollout), "" before a pass.
+                "revision": rollout.revision if (rollout := view.rollouts.get(name)) else "",
+                "rollout": rollout.phase.value if rollout else "",
             }
         )
     return out
@@ -429,6 +432,9 @@ def model_doc(view: ControlView, model: str) -> dict[str, Any]:
     cfg = view.models[model]
     doc["served_model_name"] = cfg.served_name
     doc["engine"] = cfg.profile.engine
+    # The rolling change of its template (control.rollout): null before the first reconcile pass.
+    rollout = view.rollouts.get(model)
+    doc["rollout"] = rollout.to_doc() if rollout is not None else None
     placed = {s["shard_id"] for r in doc["placed"] for s in r["shards"]}
     shard_ids = [*placed, *view.events.shards_of(lambda rid: model_name_of(rid) == model)]
     # The model's own events (created, configured, scaled, deleting) with its shards', in order.

@@ -71,6 +71,9 @@
     model = "meta-llama/Llama-3.1-70B-Instruct"
     tensor_parallel_size = 4
     dtype = "bfloat16"
+    [models.rollout]               # a change of profile, gpus, selector or nodes_per_replica
+    max_surge = 1                  # new replicas beyond `replicas` while it rolls out
+    max_unavailable = 0            # ready replicas it may go below `replicas` (0: new ready first)
 
 Unknown keys are errors, never silently ignored: a misspelt ``replica = 2`` that quietly became the
 default 1 is how a fleet ends up half the size its operator thinks it is.
@@ -482,6 +485,31 @@ class ProfileConfig:
 
 
 @attrs.frozen
+class RolloutConfig:
+    """How a change of a model's replica template rolls out (``[models.rollout]``), as a
+    Kubernetes Deployment's rolling update: ``max_surge`` replicas of the new revision beyond
+    ``replicas`` while it runs, and ``max_unavailable`` fewer ready ones than ``replicas`` at any
+    instant. The defaults (1 and 0) start a new replica and wait for it to be ready before an old
+    one is drained; ``max_surge = 0`` needs ``max_unavailable >= 1`` (an old one goes first), for
+    a fleet with no spare GPUs."""
+
+    max_surge: int = 1
+    max_unavailable: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        for key in ("max_surge", "max_unavailable"):
+            value = getattr(self, key)
+            if value < 0:
+                raise FieldProblem(key, f"{key} must be >= 0, got {value}")
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise FieldProblem(
+                "max_surge",
+                "max_surge and max_unavailable are both 0: a rollout could neither add a replica nor "
+                "take one away; set max_surge = 1 (needs spare GPUs) or max_unavailable = 1",
+            )
+
+
+@attrs.frozen
 class ModelConfig:
     name: str
     profile: ProfileConfig
@@ -490,6 +518,7 @@ class ModelConfig:
     selector: dict[str, str] = attrs.field(factory=dict)
     nodes_per_replica: int = 1
     ready_timeout: float = attrs.field(default=900.0, validator=_positive)
+    rollout: RolloutConfig = RolloutConfig()
 
     def __attrs_post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):

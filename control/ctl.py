@@ -510,6 +510,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[argparse.ArgumentParse
         "printed once, nothing followed)",
     )
     _add_model_verbs(verb)
+    _add_rollout_verb(verb, verbs)
     verb("nodes", "every node in one wide table: state and why, auth, GPUs free/total, fabrics, engines")
     verb("replicas", "every shard of every replica in one table: node, state, GPUs, URL, rank, errors")
     verb("why", "why MODEL's replicas are placed where they are, or why they cannot run").add_argument(
@@ -604,6 +605,84 @@ def _add_model_verbs(verb: Callable[..., argparse.ArgumentParser]) -> None:
     delete.add_argument(
         "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
     )
+
+
+def _add_rollout_verb(
+    verb: Callable[..., argparse.ArgumentParser], verbs: list[argparse.ArgumentParser]
+) -> None:
+    """``rollout status MODEL``: a model's rolling change (``control.rollout``), as kubectl's."""
+    rollout = verb(
+        "rollout",
+        "a model's rolling change: rollout status MODEL",
+        "A change of a model's profile, GPUs, selector or nodes per replica replaces its replicas "
+        "one by one: a new replica is ready before an old one is drained (max_surge and "
+        "max_unavailable in [models.rollout]). A new replica that fails stops the rollout; the old "
+        "ones keep serving until the model is applied again.",
+    )
+    actions = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
+    status = actions.add_parser(
+        "status",
+        help="show MODEL's rollout: progress, done, or why it failed",
+        description="Show MODEL's rollout in one line (kubectl's words): how many replicas are "
+        "updated and ready, old ones still to go, or why it failed or waits (a replica that cannot "
+        "be placed). Exit 0 when the rollout is complete (or, without --wait, still progressing), "
+        "1 when it failed or --timeout passed.",
+        epilog=EXIT_CODES,
+        formatter_class=_Formatter,
+    )
+    status.add_argument("model", help="the model name, or model/NAME")
+    status.add_argument(
+        "--wait",
+        action="store_true",
+        help="print each change of progress until the rollout completes or fails",
+    )
+    status.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
+    )
+    verbs.append(status)
+
+
+def rollout_line(name: str, rollout: dict[str, Any] | None) -> tuple[str, str]:
+    """One line on a model's rollout, kubectl's way, and its state (progressing|complete|failed)."""
+    if rollout is None:
+        return f"Waiting for rollout to finish: model/{name} has not been reconciled yet...", "progressing"
+    state = str(rollout["state"])
+    updated, wanted = rollout["updated_replicas"], rollout["replicas"]
+    if state == "complete":
+        return f"model/{name} successfully rolled out", state
+    if state == "failed":
+        return f"error: model/{name} rollout failed: {rollout['reason']}", state
+    if updated < wanted:
+        line = f"{updated} out of {wanted} new replicas have been updated"
+    elif rollout["old_replicas"]:
+        line = f"{rollout['old_replicas']} old replicas are pending termination"
+    else:
+        line = f"{rollout['updated_ready_replicas']} of {updated} updated replicas are ready"
+    placing = "; ".join(p for p in str(rollout["reason"]).split("; ") if "cannot be placed" in p)
+    return f"Waiting for rollout to finish: {line}..." + (f" ({placing})" if placing else ""), state
+
+
+def run_rollout(api: Api, args: argparse.Namespace) -> int:
+    """``rollout status MODEL [--wait]``: exit 0 when complete (or progressing without --wait), 1
+    when failed or past --timeout."""
+    name = args.model.removeprefix("model/").removeprefix("models/")
+    deadline = time.monotonic() + args.timeout
+    last = ""
+    while True:
+        doc = api.get(f"/api/models/{name}")
+        line, state = rollout_line(name, doc.get("rollout"))
+        if args.output == "json":
+            print(json.dumps(doc.get("rollout"), indent=2), flush=True)
+        elif line != last:
+            print(line, file=sys.stderr if state == "failed" else sys.stdout, flush=True)
+        last = line
+        if state == "failed":
+            return 1
+        if state == "complete" or not args.wait:
+            return 0
+        if time.monotonic() >= deadline:
+            raise CtlFailed(f"ctl: rollout status {name}: not complete after {args.timeout:g} s; {line}")
+        time.sleep(min(POLL_SECONDS / 2, max(deadline - time.monotonic(), 0.0)))
 
 
 class Api:
@@ -824,6 +903,7 @@ MODEL_VERBS: dict[str, Callable[[Api, argparse.Namespace], int]] = {
     "apply": run_apply,
     "scale": run_scale,
     "delete": run_delete,
+    "rollout": run_rollout,
 }
 
 

@@ -17,6 +17,12 @@ Rules where the choice is ours (each one is deterministic):
   kept with the first fabric name its nodes share; that field is the one thing `place` fills in. When two
   current placements claim the same GPU or port (bad input), the one with the lower (model, replica index)
   wins and the other is placed again.
+- **Rollouts.** A model may name the replicas it wants (``ModelSpec.replica_ids``, chosen by
+  ``control.rollout``) instead of a count, and keep replicas of an older template revision
+  (``retained``): those are kept as placed whatever their shape, and never placed anew (the rollout
+  replaces them). A replica placed here carries the model's ``revision``; a kept one keeps its own.
+  Engines still running outside the placements (an old replica draining) hold their GPUs, so a
+  surge replica goes on free GPUs only.
 - **Order.** Kept placements claim their GPUs and ports first, then what engines outside every
   placement still hold (`NodeView.held_gpus`, `held_ports`). New replicas are then placed model by model
   in name order, replica index ascending, so scaling down always drops the highest indices and a replica
@@ -236,6 +242,20 @@ class ModelSpec:
     engine: str = ""
     #: PEP 440 specifiers the node's installed engine must satisfy (``">=0.18"``); "": any.
     engine_version: str = ""
+    #: The template revision new replicas are placed with (``control.rollout.revision``).
+    revision: str = ""
+    #: The replicas wanted, by id, when a rollout chooses them (``control.rollout.decide``); None:
+    #: ``{name}-r{i}`` for every ``i < replicas``.
+    replica_ids: tuple[str, ...] | None = None
+    #: Replicas of an older revision that a rollout keeps serving: kept as they are placed whatever
+    #: their shape (a change of GPU count is rolled out, not applied to them), never placed anew.
+    retained: frozenset[str] = attrs.field(default=frozenset(), converter=_str_frozenset)
+
+    def wanted_ids(self) -> tuple[str, ...]:
+        """The replica ids placement places, in order."""
+        if self.replica_ids is not None:
+            return self.replica_ids
+        return tuple(replica_id(self.name, i) for i in range(self.replicas))
 
 
 @attrs.frozen
@@ -261,6 +281,9 @@ class ReplicaPlacement:
     shards: tuple[ShardAssignment, ...]
     #: The fabric a multi-node replica's nodes share; "" for single-node replicas.
     fabric: str = ""
+    #: The model's template revision it was placed with (``control.rollout``); "" when not known
+    #: (a placement from an older state file, or adopted): the control plane recovers it.
+    revision: str = ""
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -354,7 +377,7 @@ def place(
     placed: list[ReplicaPlacement] = []
     unplaced: list[Unplaced] = []
     for model in model_list:
-        wanted = [replica_id(model.name, i) for i in range(model.replicas)]
+        wanted = model.wanted_ids()
         if all(rid in kept for rid in wanted):
             # The steady state: nothing new to place, so skip judging the fleet for this model.
             placed.extend(kept[rid] for rid in wanted)
@@ -367,6 +390,8 @@ def place(
             if keep is not None:
                 placed.append(keep)
                 continue
+            if rid in model.retained:
+                continue  # an old revision's replica is replaced by the rollout, never placed anew
             if failure is None:
                 new = candidates.place(rid)
                 if new is not None:
@@ -573,7 +598,10 @@ class _Ledger:
 
 
 def _replica_index(model: ModelSpec, rid: str) -> int | None:
-    """The index in `rid` when it names a replica of `model` that the catalog still wants."""
+    """The index in `rid` when it names a replica of `model` that the catalog still wants (with
+    explicit ids: its position among them)."""
+    if model.replica_ids is not None:
+        return model.replica_ids.index(rid) if rid in model.replica_ids else None
     prefix = f"{model.name}-r"
     digits = rid[len(prefix) :]
     if not rid.startswith(prefix) or not digits.isdigit() or str(int(digits)) != digits:
@@ -595,7 +623,8 @@ def _keep(
         index = None if model is None else _replica_index(model, placement.replica_id)
         if model is not None and model.nodes_per_replica > 1 and not placement.fabric:
             placement = _with_fabric(placement, infos)
-        if model is not None and index is not None and _still_valid(placement, model, infos):
+        retained = model is not None and placement.replica_id in model.retained
+        if model is not None and index is not None and _still_valid(placement, model, infos, retained):
             candidates.append((placement.model, index, placement))
     kept: dict[str, ReplicaPlacement] = {}
     # Sorted so that, between conflicting placements, the lower (model, index) wins whatever the input
@@ -620,11 +649,14 @@ def _with_fabric(placement: ReplicaPlacement, infos: Mapping[str, _NodeInfo]) ->
     return attrs.evolve(placement, fabric=min(shared)) if shared else placement
 
 
-def _still_valid(placement: ReplicaPlacement, model: ModelSpec, infos: Mapping[str, _NodeInfo]) -> bool:
-    """Whether a current placement can stay: same shape, live nodes, GPUs and ports that still exist."""
+def _still_valid(
+    placement: ReplicaPlacement, model: ModelSpec, infos: Mapping[str, _NodeInfo], retained: bool = False
+) -> bool:
+    """Whether a current placement can stay: same shape (unless ``retained``: an old revision's
+    replica keeps its own), live nodes, GPUs and ports that still exist."""
     shards = placement.shards
-    n = model.nodes_per_replica
-    if len(shards) != n or len({s.node_id for s in shards}) != n:
+    n = len(shards) if retained else model.nodes_per_replica
+    if n < 1 or len(shards) != n or len({s.node_id for s in shards}) != n:
         return False
     if n > 1 and sorted(s.node_rank for s in shards) != list(range(n)):
         return False
@@ -633,7 +665,7 @@ def _still_valid(placement: ReplicaPlacement, model: ModelSpec, infos: Mapping[s
         # A node missing from the fleet is as good as lost: nothing can be known to run there.
         if info is None or info.node.state == LOST:
             return False
-        if len(shard.gpu_indices) != model.gpus_per_shard or not all(
+        if (len(shard.gpu_indices) != model.gpus_per_shard and not retained) or not all(
             g in info.gpus for g in shard.gpu_indices
         ):
             return False
@@ -897,7 +929,7 @@ class _Candidates:
         port = self.ledger.lowest_port(info)
         assert port is not None  # entries hold only nodes with a free port
         shard = ShardAssignment(shard_id(rid, 0, info.node_id, best[4], port), info.node_id, best[4], port)
-        return ReplicaPlacement(self.view.model.name, rid, (shard,))
+        return ReplicaPlacement(self.view.model.name, rid, (shard,), revision=self.view.model.revision)
 
     def _multi(self, rid: str) -> ReplicaPlacement | None:
         model = self.view.model
@@ -939,7 +971,7 @@ class _Candidates:
                     master_port=master_port,
                 )
             )
-        return ReplicaPlacement(model.name, rid, tuple(shards), fabric=fabric)
+        return ReplicaPlacement(model.name, rid, tuple(shards), fabric=fabric, revision=model.revision)
 
     def _choose_members(self, members: Sequence[_Entry], n: int) -> list[_Entry] | None:
         """The best n members of one fabric, at least one of which can lead; None when none can."""

@@ -19,6 +19,7 @@ trtllm-serve has no key option, so its shards get none.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -53,6 +54,16 @@ from control.placement import (
 )
 from control.query import ControlView, DrainRefused, JoinSecrets, engine_views
 from control.reconcile import Drain, Reconciler, Start, Stop, adopted_placements, drain_verdict
+from control.rollout import (
+    Decision,
+    Rollouts,
+    RolloutStatus,
+    Target,
+    observed_view,
+    recovered,
+    revision,
+    status_of,
+)
 from control.routes import route_table
 from control.routewatch import RouteWatch
 from control.state import STATE_FILE, SavedState, StateFileError, StateSaver, read_state, set_aside
@@ -175,6 +186,12 @@ class ControlPlane:
         )
         self.placements: tuple[ReplicaPlacement, ...] = ()
         self.plan = Plan((), ())
+        #: Each model's rolling change (``control.rollout``): what it remembers, this pass's
+        #: decisions (which replicas placement places) and the status ``ctl rollout status`` shows.
+        self.rollouts = Rollouts()
+        self._decisions: dict[str, Decision] = {}
+        self.rollout_status: dict[str, RolloutStatus] = {}
+        self._revisions: dict[str, tuple[ModelConfig, str]] = {}
         self.state_file = config.state_dir / STATE_FILE
         self.agent_port = 0
         self.api_port = 0
@@ -439,9 +456,89 @@ class ControlPlane:
                 nodes_per_replica=m.nodes_per_replica,
                 engine=m.profile.engine,
                 engine_version=m.profile.engine_version,
+                revision=self.revision_of(m),
+                replica_ids=decision.wanted if (decision := self._decisions.get(m.name)) else None,
+                retained=frozenset(decision.old) if decision else frozenset(),
             )
             for m in self.catalog.models()
         ]
+
+    # -- rollouts -----------------------------------------------------------------------------------
+
+    def revision_of(self, model: ModelConfig) -> str:
+        """The model's template revision (``control.rollout.revision``), hashed once per definition."""
+        cached = self._revisions.get(model.name)
+        if cached is None or cached[0] is not model:
+            cached = self._revisions[model.name] = (model, revision(model))
+        return cached[1]
+
+    def _target(self, model: ModelConfig) -> Target:
+        return Target(
+            model.name,
+            model.replicas,
+            self.revision_of(model),
+            model.rollout.max_surge,
+            model.rollout.max_unavailable,
+        )
+
+    def _with_revisions(self, placements: tuple[ReplicaPlacement, ...]) -> tuple[ReplicaPlacement, ...]:
+        """Placements with the revision their engines show, for those that carry none."""
+        if all(r.revision for r in placements):
+            return placements
+        out = []
+        for r in placements:
+            model = self.models.get(r.model)
+            if not r.revision and model is not None:
+                r = recovered(r, self.fleet.nodes, model, self._profile(model), self.revision_of(model))
+            out.append(r)
+        return tuple(out)
+
+    def _decide_rollouts(self, placements: tuple[ReplicaPlacement, ...], now: float) -> None:
+        """Which replicas each model wants this pass (``control.rollout.decide``)."""
+        by_model: dict[str, list[ReplicaPlacement]] = {}
+        for r in placements:
+            by_model.setdefault(r.model, []).append(r)
+        reported: dict[str, set[str]] = {}
+        for node in self.fleet.nodes.values():
+            for st in node.shards.values():
+                reported.setdefault(model_name_of(st.replica_id), set()).add(st.replica_id)
+        failures = self.reconciler.failures
+        decisions = {}
+        for name, model in self.models.items():
+            target = self._target(model)
+            nodes = self.fleet.nodes
+            views = [observed_view(r, nodes, failures, target.revision) for r in by_model.get(name, ())]
+            decisions[name] = self.rollouts.decide(
+                target, views, ready_timeout=model.ready_timeout, now=now, taken=reported.get(name, ())
+            )
+        self.rollouts.forget(self.models)
+        self._decisions = decisions
+
+    def _rollout_statuses(self, plan: Plan) -> None:
+        """Each model's rollout status after this pass's plan."""
+        generations = {e.name: e.generation for e in self.catalog.entries()}
+        failures = self.reconciler.failures
+        placed: dict[str, list[ReplicaPlacement]] = {}
+        for r in plan.replicas:
+            placed.setdefault(r.model, []).append(r)
+        unplaced: dict[str, dict[str, str]] = {}
+        for u in plan.unplaced:
+            unplaced.setdefault(u.model, {})[u.replica_id] = u.reason
+        out = {}
+        for name, model in self.models.items():
+            target = self._target(model)
+            nodes = self.fleet.nodes
+            views = [observed_view(r, nodes, failures, target.revision) for r in placed.get(name, ())]
+            failure = self.rollouts.failure(name)
+            generation = generations.get(name, 0)
+            mine = unplaced.get(name, {})
+            out[name] = status_of(target, views, mine, failure=failure, generation=generation)
+            before = self.rollout_status.get(name)
+            now = out[name]
+            if before is not None and (before.phase, before.revision) != (now.phase, now.revision):
+                reason = f": {now.reason}" if now.reason else ""
+                log.info("model %s: rollout of revision %s %s%s", name, now.revision, now.phase.value, reason)
+        self.rollout_status = out
 
     def node_views(self) -> list[NodeView]:
         """Placement's view of every node, rebuilt only for nodes whose Register or state changed
@@ -500,13 +597,13 @@ class ControlPlane:
         so it runs in a worker thread: at thousands of nodes a pass takes long enough that running it
         on the event loop would delay reading heartbeats past the liveness budget."""
         draining = {n.node_id for n in self.fleet.nodes.values() if n.draining}
-        current = tuple(
-            r
-            for r in (*self.placements, *self._adopted())
-            if not any(s.node_id in draining for s in r.shards)
-        )
+        # Every placement counts for the rollouts (one on a draining node is still the model's);
+        # placement keeps those off draining nodes, so their replicas are placed elsewhere.
+        every = self._with_revisions((*self.placements, *self._adopted()))
+        self._decide_rollouts(every, self.clock())
+        current = tuple(r for r in every if not any(s.node_id in draining for s in r.shards))
         views = self.node_views()
-        key = (tuple(views), current, self.catalog.revision)
+        key = (tuple(views), current, self.catalog.revision, tuple(self._decisions.items()))
         if key != self._plan_key:
             self.plan = await trio.to_thread.run_sync(place, self.model_specs(), views, current)
             self._plan_key = key
@@ -521,8 +618,14 @@ class ControlPlane:
         answer to the name clients are sent to it with; the agent never derives one itself.
         """
         model = self.models[replica.model]
-        profile = model.profile.to_proto()
-        profile.served_model_name = model.served_name
+        if replica.revision and replica.revision != self.revision_of(model):
+            # An old revision's replica that a rollout keeps: it runs (and restarts) as it was started.
+            node = self.fleet.nodes.get(shard.node_id)
+            status = node.shards.get(shard.shard_id) if node is not None else None
+            if status is not None and status.spec is not None:
+                engine = status.spec.profile.engine if status.spec.profile else model.profile.engine
+                return dataclasses.replace(status.spec, api_key=self.key_for(shard.shard_id, engine))
+        profile = self._profile(model)
         return schema.StartShard(
             shard_id=shard.shard_id,
             replica_id=replica.replica_id,
@@ -537,9 +640,17 @@ class ControlPlane:
             api_key=self.key_for(shard.shard_id, profile.engine),
         )
 
+    @staticmethod
+    def _profile(model: ModelConfig) -> schema.EngineProfile:
+        """The profile a shard of ``model`` is sent, with the name the router advertises."""
+        profile = model.profile.to_proto()
+        profile.served_model_name = model.served_name
+        return profile
+
     async def reconcile_once(self) -> None:
         self._transitions(self.fleet.tick(self.clock()))
         plan = await self.replan()
+        self._rollout_statuses(plan)
         now = self.clock()
         specs = {s.shard_id: self.start_spec(r, s) for r in plan.replicas for s in r.shards}
         for command in self.reconciler.step(plan, self.fleet.nodes, specs, now):
@@ -757,6 +868,7 @@ class PlaneQuery:
             backoff=backoff,
             events=plane.events,
             catalog=MappingProxyType({e.name: e for e in plane.catalog.entries()}),
+            rollouts=MappingProxyType(plane.rollout_status),
         )
 
     async def request_logs(

@@ -22,6 +22,7 @@ from control.config import ModelConfig
 from control.events import EventLog
 from control.fleet import Cordon, Node
 from control.placement import EngineView, Plan, ReplicaPlacement
+from control.rollout import RolloutStatus
 
 #: Engines and the longest version or error text a node may report (its agent bounds them too).
 _MAX_ENGINES = 16
@@ -73,6 +74,8 @@ class ControlView:
     events: EventLog = attrs.field(factory=EventLog)
     #: Each model's catalog entry (source, generation, deleting), by name (``control.catalog``).
     catalog: Mapping[str, Entry] = attrs.field(factory=dict)
+    #: Each model's rollout after the last reconcile pass (``control.rollout``), by name.
+    rollouts: Mapping[str, RolloutStatus] = attrs.field(factory=dict)
 
 
 class JoinSecrets(Protocol):

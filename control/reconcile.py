@@ -12,11 +12,14 @@ on the same input sends nothing new, so it can run on every change and on a time
   never started a second time, and it is a failure: it is stopped at once and started again when the
   backoff allows, as kubelet restarts a container whose liveness probe fails. One engine process
   counts as one failure however many states it reports on its way out (UNHEALTHY, then FAILED).
-- A live shard that no placement wants is stopped. A shard that a draining node still runs is drained
-  only once its replacement elsewhere is ready (replacements first), then stopped by the deadline.
+- A live shard that no placement wants is drained when it serves (READY: the router stops sending it
+  requests, in-flight ones finish, the agent stops it by ``drain_deadline``; a model's rollout and
+  ``ctl delete`` retire replicas this way), and stopped otherwise (still loading, or unhealthy). A
+  shard that a draining node still runs is drained only once its replacement elsewhere is ready
+  (replacements first), then stopped by the deadline.
 - The same holds for a READY shard left over on a node that was lost and came back after its replica
   was placed elsewhere: it keeps serving (the router's fallback) until the new copy is ready, and is
-  stopped then, so each replica slot ends with exactly one engine. The new placement wins rather than
+  drained then, so each replica slot ends with exactly one engine. The new placement wins rather than
   the old engine being adopted back: placements are stable (the plan never flips a replica back and
   forth), the node has just proved unreliable, and the new copy may already be serving; the old one
   bridges the gap, so no request is lost either way. A leftover that is not READY (still loading, or
@@ -70,7 +73,7 @@ class _ShardMemory:
     retry_at: float = 0.0
     last_failure: tuple[int, int | None, str] | None = None
     ready_since: float | None = None
-    drained: bool = False
+    drain_sent_at: float | None = None
     stop_sent_at: float | None = None
 
 
@@ -182,13 +185,20 @@ class Reconciler:
         # the router's fallback; it is drained or stopped once the replacement is ready (or when the
         # replica is not placed at all any more).
         fallback = status.state == State.READY and replica_ready.get(status.replica_id) is False
-        if node.draining:
-            if status.state == State.DRAINING or mem.drained or fallback:
-                return []  # a drained shard is stopped by the agent at its deadline
-            mem.drained = True
-            return [Drain(node.node_id, status.shard_id, self.drain_deadline)]
         if fallback:
             return []
+        if status.state in (State.READY, State.DRAINING):
+            # A serving engine is drained, never stopped under its streams: the router stops sending
+            # it requests once it reports DRAINING, in-flight ones finish, and the agent stops it by
+            # the deadline. A drain unanswered (or a DRAINING engine never stopped) past the deadline
+            # and the stop grace is followed by a stop.
+            if mem.drain_sent_at is None:
+                mem.drain_sent_at = now
+                if status.state == State.READY:
+                    return [Drain(node.node_id, status.shard_id, self.drain_deadline)]
+                return []  # drained before this control plane knew it (a restart): the agent ends it
+            if now - mem.drain_sent_at < self.drain_deadline + self.stop_grace + self.start_timeout:
+                return []
         if mem.stop_sent_at is not None and now - mem.stop_sent_at < self.stop_grace + self.start_timeout:
             return []
         mem.stop_sent_at = now

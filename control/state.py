@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 import cattrs
 import trio
+from cattrs.gen import make_dict_unstructure_fn, override
 
 import schema
 from control.catalog import Catalog, Entry, Source
@@ -44,6 +45,12 @@ from control.placement import ReplicaPlacement
 STATE_FILE = "control-state.json"
 
 _converter = cattrs.Converter()
+# A placement's template revision (control.rollout) is written once known: a file from before
+# rollouts reads back as it was, and its placements get theirs from the engines' specs.
+_converter.register_unstructure_hook(
+    ReplicaPlacement,
+    make_dict_unstructure_fn(ReplicaPlacement, _converter, revision=override(omit_if_default=True)),
+)
 
 
 class StateFileError(ValueError):

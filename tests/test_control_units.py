@@ -101,15 +101,22 @@ def test_crash_loop_backoff_doubles_and_resets() -> None:
     assert r.failures("n1", "m-r0-s0") == 0
 
 
-def test_extra_shards_are_stopped_and_unreachable_nodes_left_alone() -> None:
+def test_extra_shards_are_drained_and_unreachable_nodes_left_alone() -> None:
+    """An extra READY engine is drained (in-flight streams finish), one still loading is stopped;
+    a drain that is not followed by the engine stopping is followed by a stop past the deadline."""
     fleet = Fleet(15, 300)
     fleet.registered(reg("n1", status(State.READY, shard="old-r0-s0")), now=0)
     fleet.registered(reg("n2", status(State.READY, shard="gone-r0-s0")), now=0)
+    fleet.registered(reg("n3", status(State.STARTING, shard="new-r0-s0")), now=0)
     fleet.disconnected("n2", now=1, reason="eof")
-    r = Reconciler(stop_grace=30)
+    r = Reconciler(stop_grace=30, drain_deadline=60, start_timeout=30)
     cmds = r.step(Plan((), ()), fleet.nodes, {}, now=2)
-    assert cmds == [Stop("n1", "old-r0-s0", 30)]
+    assert cmds == [Drain("n1", "old-r0-s0", 60), Stop("n3", "new-r0-s0", 30)]
     assert r.step(Plan((), ()), fleet.nodes, {}, now=3) == []
+    fleet.shard_status("n1", status(State.DRAINING, shard="old-r0-s0"))
+    fleet.shard_status("n3", status(State.STOPPED, shard="new-r0-s0"))
+    assert r.step(Plan((), ()), fleet.nodes, {}, now=100) == []
+    assert r.step(Plan((), ()), fleet.nodes, {}, now=2 + 60 + 30 + 30) == [Stop("n1", "old-r0-s0", 30)]
 
 
 def test_drain_waits_for_the_replacement() -> None:
@@ -337,7 +344,7 @@ def test_unhealthy_is_stopped_at_once_and_started_after_the_backoff() -> None:
     assert r.retry_at("n1", "m-r0-s0") == 32
 
 
-def test_a_leftover_engine_serves_until_the_replacement_is_ready_then_stops() -> None:
+def test_a_leftover_engine_serves_until_the_replacement_is_ready_then_is_drained() -> None:
     """n1 was lost, its replica placed on n2 meanwhile; n1 comes back still running the old engine."""
     fleet = Fleet(15, 300)
     fleet.registered(reg("n1", status(State.READY, pid=1, shard="m-r0-s0-aaaaaa")), now=0)
@@ -349,7 +356,7 @@ def test_a_leftover_engine_serves_until_the_replacement_is_ready_then_stops() ->
     fleet.shard_status("n2", status(State.STARTING, pid=2, shard="m-r0-s0-bbbbbb"))
     assert r.step(moved, fleet.nodes, specs, now=2) == []  # the old engine is the fallback
     fleet.shard_status("n2", status(State.READY, pid=2, shard="m-r0-s0-bbbbbb"))
-    assert r.step(moved, fleet.nodes, specs, now=3) == [Stop("n1", "m-r0-s0-aaaaaa", 5)]
+    assert r.step(moved, fleet.nodes, specs, now=3) == [Drain("n1", "m-r0-s0-aaaaaa", 60)]
     # A leftover that is not ready is no fallback: stopped at once, replacement ready or not.
     fleet.registered(reg("n3", status(State.UNHEALTHY, pid=3, shard="m-r0-s0-cccccc")), now=4)
     fleet.shard_status("n2", status(State.STARTING, pid=4, shard="m-r0-s0-bbbbbb"))
