@@ -119,6 +119,12 @@ class Catalog:
             self._models = (self.revision, [self._entries[n].desired for n in sorted(self._entries)])
         return self._models[1]
 
+    def served(self) -> list[ModelConfig]:
+        """The models the router offers clients: every one not being deleted. A deleted model's
+        new requests are answered 404 at once (as a Service drops a terminating pod's endpoint)
+        while its engines drain what they already have."""
+        return [m for m in self.models() if not self._entries[m.name].deleting]
+
     def get(self, name: str) -> ModelConfig | None:
         """The model as placement sees it, or None."""
         entry = self._entries.get(name)

@@ -748,9 +748,10 @@ class ControlPlane:
 
     def build_routes(self) -> None:
         """Rebuild the router's table (``control.routes.route_table``) from the placements and the
-        fleet; the one place it is rebuilt, after every reconcile pass."""
+        fleet; the one place it is rebuilt, after every reconcile pass. A model being deleted is
+        left out: new requests for it are answered 404 while its engines finish what they have."""
         self._routes = route_table(
-            self.catalog.models(),
+            self.catalog.served(),
             self.placements,
             self.fleet.nodes,
             self.plan.unplaced,

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ def test_a_model_that_left_the_file_is_deleted_and_one_only_applied_stays() -> N
     changes = cat.apply_file([])
     assert actions(changes) == {"a": Action.DELETING, "b": Action.DELETING}
     assert {m.name: m.replicas for m in cat.models()} == {"a": 0, "b": 0, "c": 1}
+    assert [m.name for m in cat.served()] == ["c"]
     assert cat.finish_deletes({"a"}) and cat.names() == ["a", "c"]
     assert [str(c) for c in cat.finish_deletes(())] == ["model/a deleted"] and cat.names() == ["c"]
 
@@ -344,3 +346,62 @@ def test_sighup_applies_the_file_and_a_broken_file_changes_nothing(tmp_path: Pat
         assert cp.proc.poll() is None
         assert get_models(cp)[kept]["replicas_wanted"] == 2 and get_models(cp)[kept]["generation"] == 2
         assert chat(cp, kept).strip() and chat(cp, applied).strip()
+
+
+def test_delete_drains_a_model_a_streaming_request_finishes_and_new_ones_get_404(tmp_path: Path) -> None:
+    """``ctl delete`` under a streaming request: the router answers new requests for the model 404
+    at once, the stream under way gets every token (its engine is drained, not stopped under it),
+    and the model is gone once its engine has stopped."""
+    tag = f"d{os.getpid()}"
+    name = f"slow-{tag}"
+    slow = model_toml(name).replace(
+        'LLMGW_SIM_TTFT_MS = "1"', 'LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "100"'
+    )
+    # No [[models]] in llmgw.toml at all: the control plane runs, and its models come from apply.
+    # The agent's stop grace bounds the engine's own drain window (vLLM --shutdown-timeout, 2 s
+    # below it): 12 s leaves the 4 s stream room to finish.
+    with one_node(tmp_path, "", "24950-24999", agent_extra=("--stop-grace", "12")) as (cp, agent):
+        apply = subprocess.run(
+            [*cp.ctl_argv(), "apply", "-f", "-"], input=slow, capture_output=True, text=True, timeout=60
+        )
+        assert apply.returncode == 0 and apply.stdout == f"model/{name} created\n", apply
+        poll(f"{name} ready", lambda: ready_count(cp, name, 1))
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{cp.router_port}/v1", api_key="none")
+        stream = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "hello"}], max_tokens=40, stream=True
+        )
+        chunks = iter(stream)
+        first = next(chunks)  # the stream is under way before the delete
+        result: dict[str, Any] = {}
+
+        def finish() -> None:
+            try:
+                rest = list(chunks)
+                result["finish"] = [c.choices[0].finish_reason for c in rest if c.choices][-1]
+                result["chunks"] = 1 + len(rest)
+            except Exception as exc:  # reported by the assertion below, with what was received
+                result["error"] = exc
+
+        reader = threading.Thread(target=finish)
+        reader.start()
+        deleting = subprocess.Popen(
+            [*cp.ctl_argv(), "delete", name, "--wait", "--timeout", "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        poll(f"{name} out of the routes", lambda: _not_found(client, name))
+        out, err = deleting.communicate(timeout=90)
+        reader.join(60)
+        assert deleting.returncode == 0, (out, err)
+        assert out.splitlines()[-1] == f"model/{name} deleted"
+        assert "error" not in result and result["finish"] == "length", (first, result)
+        assert name not in get_models(cp) and not agent.marked_engines()
+
+
+def _not_found(client: openai.OpenAI, name: str) -> bool:
+    try:
+        client.completions.create(model=name, prompt="hi", max_tokens=1)
+    except openai.NotFoundError:
+        return True
+    return False
