@@ -397,6 +397,7 @@ def test_delete_drains_a_model_a_streaming_request_finishes_and_new_ones_get_404
         assert out.splitlines()[-1] == f"model/{name} deleted"
         assert "error" not in result and result["finish"] == "length", (first, result)
         assert name not in get_models(cp) and not agent.marked_engines()
+        assert f"drain {name}-r0-s0" in cp.log.read_text()
 
 
 def _not_found(client: openai.OpenAI, name: str) -> bool:
