@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llmgw-router: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_settings)
-    log.info("llmgw router %s starting: %s relay pump", version(), os.environ.get("LLMGW_RELAY") or "auto")
+    log.info("llmgw router %s starting (pid %d)", version(), os.getpid())
     failed: list[OSError] = []
     try:
         try:
