@@ -406,3 +406,97 @@ def _not_found(client: openai.OpenAI, name: str) -> bool:
     except openai.NotFoundError:
         return True
     return False
+
+
+# -- the admin API's model routes, over a hand-built ControlQuery ---------------------------------
+
+
+class CatalogQuery:
+    """The part of ``ControlQuery`` the model routes use, over a real ``Catalog``."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def view(self) -> Any:
+        from control.placement import Plan
+        from control.query import ControlView
+
+        models = {m.name: m for m in self.catalog.models()}
+        entries = {e.name: e for e in self.catalog.entries()}
+        return ControlView(
+            now=0.0, nodes={}, placements=(), plan=Plan((), ()), models=models, catalog=entries
+        )
+
+    async def apply_models(self, models: list[ModelConfig]) -> list[Any]:
+        return self.catalog.apply(models)
+
+    async def scale_model(self, name: str, replicas: int) -> Any:
+        return self.catalog.scale(name, replicas)
+
+    async def delete_model(self, name: str) -> Any:
+        return self.catalog.delete(name)
+
+
+def call(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
+    import trio
+
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": b"",
+        "client": ("127.0.0.1", 40000),
+        "headers": [(b"host", b"127.0.0.1:7080"), (b"content-type", b"application/json")],
+    }
+    chunks = [body[:7], body[7:]]  # the body in two messages, as a client may send it
+
+    async def receive() -> dict[str, Any]:
+        chunk = chunks.pop(0) if chunks else b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    trio.run(app, scope, receive, send)
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+def test_the_admin_api_model_routes_answer_400_404_409_with_the_reason() -> None:
+    from control.api import ApiGuard, make_app
+
+    cat = Catalog()
+    cat.apply_file([model("infile")])
+    guard = ApiGuard(hosts=frozenset({"127.0.0.1"}), port=7080)
+    app = make_app(CatalogQuery(cat), guard)  # type: ignore[arg-type]
+    toml = model_toml("chat", replicas=2)
+    status, doc = call(app, "POST", "/api/models", json.dumps({"toml": toml, "source": "chat.toml"}).encode())
+    assert status == 200 and [c["line"] for c in doc["changes"]] == ["model/chat created"], doc
+    status, doc = call(app, "POST", "/api/models", json.dumps({"toml": toml}).encode())
+    assert status == 200 and doc["changes"][0]["action"] == "unchanged"
+    bad = json.dumps({"toml": toml.replace("replicas = 2", "replicas = -2"), "source": "chat.toml"})
+    status, doc = call(app, "POST", "/api/models", bad.encode())
+    assert (status, doc["error"]) == (400, "models[0].replicas must be >= 0, got -2 (chat.toml line 3)")
+    assert call(app, "POST", "/api/models", b"{not json")[0] == 400
+    status, doc = call(app, "POST", "/api/models", b'{"yaml": "x"}')
+    assert status == 400 and '{"toml":' in doc["error"]
+
+    status, doc = call(app, "PUT", "/api/models/chat/replicas", b'{"replicas": 3}')
+    assert (status, doc["line"], doc["generation"]) == (200, "model/chat scaled", 2)
+    assert call(app, "POST", "/api/models/chat/scale", b'{"replicas": 3}')[1]["action"] == "unchanged"
+    status, doc = call(app, "PUT", "/api/models/chat/replicas", b'{"replicas": "3"}')
+    assert status == 400 and "whole number" in doc["error"]
+    status, doc = call(app, "PUT", "/api/models/nope/replicas", b'{"replicas": 1}')
+    assert status == 404 and doc["error"] == "no model 'nope' in the catalog; models: chat, infile"
+
+    status, doc = call(app, "DELETE", "/api/models/infile")
+    assert status == 409 and "SIGHUP" in doc["error"]
+    assert call(app, "DELETE", "/api/models/chat")[1]["line"] == "model/chat deleting"
+    status, doc = call(app, "PUT", "/api/models/chat/replicas", b'{"replicas": 1}')
+    assert status == 409 and "being deleted" in doc["error"]
+    status, doc = call(app, "POST", "/api/models", json.dumps({"toml": toml}).encode())
+    assert status == 409 and "being deleted" in doc["error"]
+    status, doc = call(app, "GET", "/api/models")
+    chat_doc = next(m for m in doc if m["model"] == "chat")
+    assert (chat_doc["replicas_wanted"], chat_doc["deleting"], chat_doc["generation"]) == (0, True, 3)
+    assert call(app, "DELETE", "/api/models/nope")[0] == 404
