@@ -274,9 +274,10 @@ def test_describe_node_and_model(node: Node) -> None:
     assert model.returncode == 0, model.stderr
     assert "Replicas:      1 ready, 1 placed, 1 wanted" in model.stdout
     assert f"    {chat['shard_id']}  ready  on gpu07 GPUs - pid {chat['pid']}  {chat['url']}" in model.stdout
-    # This model's shards' events only.
+    assert "Generation:    1 (source file)" in model.stdout
+    # This model's own events (model/NAME: catalog changes, rollouts) and its shards' only.
     objects = {e["OBJECT"] for e in columns(model.stdout.split("Events:\n", 1)[1])}
-    assert objects == {chat["shard_id"]}, model.stdout
+    assert chat["shard_id"] in objects and objects <= {chat["shard_id"], f"model/{CHAT}"}, model.stdout
     huge = ctl("describe", "model", HUGE, "--api", node.api)
     assert huge.returncode == 0, huge.stderr
     assert "Replicas:      0 ready, 0 placed, 1 wanted" in huge.stdout
