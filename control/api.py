@@ -434,7 +434,9 @@ def model_doc(view: ControlView, model: str) -> dict[str, Any]:
     doc["engine"] = cfg.profile.engine
     # The rolling change of its template (control.rollout): null before the first reconcile pass.
     rollout = view.rollouts.get(model)
-    doc["rollout"] = rollout.to_doc() if rollout is not None else None
+    entry = view.catalog.get(model)
+    generation = entry.generation if entry is not None else None
+    doc["rollout"] = rollout.to_doc(generation) if rollout is not None else None
     placed = {s["shard_id"] for r in doc["placed"] for s in r["shards"]}
     shard_ids = [*placed, *view.events.shards_of(lambda rid: model_name_of(rid) == model)]
     # The model's own events (created, configured, scaled, deleting) with its shards', in order.

@@ -648,6 +648,10 @@ def rollout_line(name: str, rollout: dict[str, Any] | None) -> tuple[str, str]:
         return f"Waiting for rollout to finish: model/{name} has not been reconciled yet...", "progressing"
     state = str(rollout["state"])
     updated, wanted = rollout["updated_replicas"], rollout["replicas"]
+    if rollout["observed_generation"] < rollout["generation"]:
+        # Asked right after an apply: the status is of the definition before it (kubectl's check).
+        line = f"Waiting for rollout to finish: generation {rollout['generation']} not acted on yet..."
+        return line, "progressing"
     if state == "complete":
         return f"model/{name} successfully rolled out", state
     if state == "failed":

@@ -536,8 +536,9 @@ class ControlPlane:
             before = self.rollout_status.get(name)
             now = out[name]
             if before is not None and (before.phase, before.revision) != (now.phase, now.revision):
-                reason = f": {now.reason}" if now.reason else ""
-                log.info("model %s: rollout of revision %s %s%s", name, now.revision, now.phase.value, reason)
+                what = f"rollout of revision {now.revision} {now.phase.value}"
+                log.info("model %s: %s%s", name, what, f": {now.reason}" if now.reason else "")
+                self._event(Kind.MODEL, f"model/{name}", old=before.revision, new=what, reason=now.reason)
         self.rollout_status = out
 
     def node_views(self) -> list[NodeView]:

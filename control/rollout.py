@@ -234,8 +234,8 @@ class RolloutStatus:
 
     model: str
     revision: str
-    #: The model's generation (``control.catalog``) and the one the rollout last acted on.
-    generation: int
+    #: The model's generation (``control.catalog``) when the rollout last acted on it: a status whose
+    #: generation is below the catalog's is from before the latest change (``ctl rollout status`` waits).
     observed_generation: int
     replicas: int
     #: Updated replicas placed, and of them ready; every ready replica; old replicas still placed.
@@ -246,10 +246,11 @@ class RolloutStatus:
     phase: Phase
     reason: str = ""
 
-    def to_doc(self) -> dict[str, Any]:
+    def to_doc(self, generation: int | None = None) -> dict[str, Any]:
+        """The document ``GET /api/models/MODEL`` serves; ``generation``: the catalog's now."""
         return {
             "revision": self.revision,
-            "generation": self.generation,
+            "generation": self.observed_generation if generation is None else generation,
             "observed_generation": self.observed_generation,
             "replicas": self.replicas,
             "updated_replicas": self.updated,
@@ -277,7 +278,7 @@ def status_of(
     ready = sum(1 for r in placed if r.ready)
     n = target.replicas
     if failure and old:
-        phase, reason = Phase.FAILED, f"rollout of revision {target.revision} failed: {failure}"
+        phase, reason = Phase.FAILED, failure
     elif not old and len(new) == n and new_ready == n and not unplaced:
         phase, reason = Phase.COMPLETE, ""
     else:
@@ -292,7 +293,6 @@ def status_of(
     return RolloutStatus(
         target.name,
         target.revision,
-        generation,
         generation,
         n,
         len(new),

@@ -4,6 +4,7 @@ end with a real control plane, a sim agent and the openai client through the emb
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -215,7 +216,7 @@ def test_the_memory_times_out_a_new_replica_and_forgets_the_failure_with_a_new_r
 def test_status_words() -> None:
     t = Target("chat", 2, NEW)
     s = status_of(t, [view("chat-r0"), view("chat-r1"), view("chat-r2", NEW, ready=False)], {}, generation=3)
-    assert (s.phase, s.updated, s.updated_ready, s.ready, s.old, s.generation) == (
+    assert (s.phase, s.updated, s.updated_ready, s.ready, s.old, s.observed_generation) == (
         Phase.PROGRESSING, 1, 0, 2, 2, 3,
     )  # fmt: skip
     assert "waiting for chat-r2 to be ready" in s.reason
@@ -226,6 +227,77 @@ def test_status_words() -> None:
     s = status_of(t, [view("chat-r2", NEW), view("chat-r3", NEW)], {})
     assert (s.phase, s.reason) == (Phase.COMPLETE, "")
     assert s.to_doc()["state"] == "complete" and s.to_doc()["updated_replicas"] == 2
+
+
+def test_ctl_rollout_lines_read_like_kubectl() -> None:
+    from control.ctl import rollout_line
+
+    t = Target("chat", 2, NEW)
+
+    def line(placed: list[ReplicaView], unplaced: dict[str, str] | None = None, **kw: Any) -> tuple[str, str]:
+        doc = status_of(t, placed, unplaced or {}, generation=2, **kw).to_doc(kw.pop("generation", 2))
+        return rollout_line("chat", doc)
+
+    old = [view("chat-r0"), view("chat-r1")]
+    assert line([*old, view("chat-r2", NEW, ready=False)]) == (
+        "Waiting for rollout to finish: 1 out of 2 new replicas have been updated...",
+        "progressing",
+    )
+    waiting, _ = line(old, {"chat-r2": "0/1 nodes are available: 1 insufficient free GPUs."})
+    assert waiting.endswith("(chat-r2 cannot be placed: 0/1 nodes are available: 1 insufficient free GPUs.)")
+    assert line([old[0], view("chat-r2", NEW), view("chat-r3", NEW)])[0] == (
+        "Waiting for rollout to finish: 1 old replicas are pending termination..."
+    )
+    assert line([view("chat-r2", NEW), view("chat-r3", NEW, ready=False)])[0] == (
+        "Waiting for rollout to finish: 1 of 2 updated replicas are ready..."
+    )
+    assert line([view("chat-r2", NEW), view("chat-r3", NEW)]) == (
+        "model/chat successfully rolled out",
+        "complete",
+    )
+    assert line(old, failure="chat-r2-s0-x on gpu07 failed: boom") == (
+        "error: model/chat rollout failed: chat-r2-s0-x on gpu07 failed: boom",
+        "failed",
+    )
+    # Right after an apply the status is the last definition's: not complete until a pass acts on it.
+    stale = status_of(t, [view("chat-r2", NEW), view("chat-r3", NEW)], {}, generation=2).to_doc(3)
+    assert rollout_line("chat", stale) == (
+        "Waiting for rollout to finish: generation 3 not acted on yet...",
+        "progressing",
+    )
+
+
+def test_a_replica_is_judged_by_what_its_agent_reports() -> None:
+    from control.fleet import Fleet
+    from control.placement import ShardAssignment
+    from control.rollout import observed_view, recovered
+
+    m = model(gpus=attrs.evolve(model().gpus, count=1))
+    profile = schema.EngineProfile(engine="vllm", model="m", served_model_name="chat")
+    spec = schema.StartShard(shard_id="chat-r0-s0-aaaaaa", profile=profile, gpu_indices=[0], nnodes=1)
+    fleet = Fleet(15, 300)
+    st = schema.ShardStatus(
+        shard_id="chat-r0-s0-aaaaaa", replica_id="chat-r0", state=schema.ShardState.READY, spec=spec
+    )
+    fleet.registered(schema.Register(node_id="gpu07", shards=[st]), now=0)
+    placed = ReplicaPlacement("chat", "chat-r0", (ShardAssignment("chat-r0-s0-aaaaaa", "gpu07", (0,), 8000),))
+    assert recovered(placed, fleet.nodes, m, profile, NEW).revision == NEW
+    other = schema.EngineProfile(engine="vllm", model="m", served_model_name="chat", dtype="half")
+    assert recovered(placed, fleet.nodes, m, other, NEW).revision == ""  # an old engine: rolled out
+    assert recovered(attrs.evolve(placed, revision=OLD), fleet.nodes, m, profile, NEW).revision == OLD
+    assert observed_view(placed, fleet.nodes, lambda n, s: 0, NEW) == ReplicaView("chat-r0", NEW, True)
+    failed = dataclasses.replace(
+        st,
+        state=schema.ShardState.FAILED,
+        error="engine exited with code 1 while loading",
+        output_tail=["loading", "OSError: weights not found", ""],
+    )
+    fleet.shard_status("gpu07", failed)
+    seen = observed_view(placed, fleet.nodes, lambda n, s: 1, NEW)
+    assert not seen.ready and seen.failure == (
+        "chat-r0-s0-aaaaaa on gpu07 failed: engine exited with code 1 while loading; "
+        "its last output: OSError: weights not found"
+    )
 
 
 # -- placement's part -------------------------------------------------------------------------------
@@ -445,6 +517,21 @@ def test_a_rolling_change_under_streaming_load_fails_no_request(tmp_path: Path) 
         new = _ready(cp, name)
         assert len(new) == 2 and not {r["replica_id"] for r in new} & set(old_ids), new
         assert len(sim_processes(name)) == 2
+        # A control plane killed and started again knows each replica's revision (the state file):
+        # it rolls nothing out again and restarts no engine.
+        pids = sorted(s["pid"] for r in new for s in r["shards"])
+        cp.kill9()
+        cp.start()
+        # (Progressing until the agent has reported its engines ready again.)
+        again = poll(
+            "the rollout complete after a restart",
+            lambda: d if (d := _rollout(cp, name)) and d["state"] == "complete" else None,
+            timeout=30,
+        )
+        assert again["revision"] == done["revision"] and again["updated_replicas"] == 2, again
+        poll("2 ready replicas again", lambda: len(_ready(cp, name)) == 2 or None, timeout=30)
+        assert sorted(s["pid"] for r in _ready(cp, name) for s in r["shards"]) == pids
+        assert sorted(sim_processes(name)) == pids
 
 
 def test_a_rollout_whose_new_replica_cannot_start_stops_and_the_old_ones_serve(tmp_path: Path) -> None:
@@ -484,7 +571,10 @@ def test_a_rollout_whose_new_replica_cannot_start_stops_and_the_old_ones_serve(t
         )
         assert _rollout(cp, name)["state"] == "failed"  # and it stays so: nothing new is tried
         described = cp.ctl("describe", "model", name)
-        assert described.returncode == 0
+        assert (
+            described.returncode == 0
+            and f"rollout of revision {failed['revision']} failed" in described.stdout
+        )
         # The old definition back: the old replicas are current again, and that is complete.
         _apply(cp, tmp_path, _model(name))
         out = cp.ctl("rollout", "status", name, "--wait", "--timeout", "30")
