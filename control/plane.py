@@ -4,7 +4,9 @@ This is the one place with clocks and loops; the rooms it wires are pure (``plac
 ``fleet.Fleet``, ``reconcile.Reconciler``) or own their I/O (``agentsvc``, ``transport``, ``api``).
 
 What survives a control plane restart is written to ``state_dir/control-state.json``: the nodes it
-knew (their last Register) and the placements. A restarted control plane therefore treats every known
+knew (their last Register), the placements, and the model catalog (``control.catalog``: what ``ctl
+apply``, ``scale`` and ``delete`` made of the models, merged with llmgw.toml's ``[[models]]`` at
+each start and SIGHUP by the file rule). A restarted control plane therefore treats every known
 node as unreachable-until-it-re-registers with ``startup_grace`` before it may be declared lost, keeps
 every placement (an unreachable node keeps its placements), and so starts nothing twice. Even without
 that file, shards that registering agents report are adopted into placements rather than started anew.
