@@ -521,6 +521,7 @@ class Router:
 
     async def _refuse(self, client: ClientConn, error: RequestError) -> None:
         """Answer a request that cannot be read to its end, and close."""
+        self.metrics.request("", error.status)  # no model read: the label of requests naming none
         body = RouterError(error.status, error.message, "invalid_request_error").body()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await client.stream.send_all(response_head(error.status, headers, close=True) + body)

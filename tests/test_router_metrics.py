@@ -91,7 +91,9 @@ def test_requests_ttft_itl_and_tokens_match_what_the_client_saw(
 ) -> None:
     if kind == "native" and not relay.NATIVE_AVAILABLE:
         pytest.skip("the native relay pump was not built here")
-    router = RouterProc(tmp_path, ["--static", f"{MODEL}={engine.url}"], {"LLMGW_RELAY": kind})
+    router = RouterProc(
+        tmp_path, ["--static", f"{MODEL}={engine.url}", "--max-body-bytes", "65536"], {"LLMGW_RELAY": kind}
+    )
     try:
         c = openai.OpenAI(base_url=f"{router.base}/v1", api_key="unused", max_retries=0, timeout=30)
         chunks_per_stream: list[int] = []
@@ -125,6 +127,11 @@ def test_requests_ttft_itl_and_tokens_match_what_the_client_saw(
             c.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=1)
         with pytest.raises(openai.NotFoundError):
             c.chat.completions.create(model="another-invented-name", messages=CHAT, max_tokens=1)
+        # Refused before its body was read: no model, the router's own 413.
+        too_big = [{"role": "user", "content": "x" * 70_000}]
+        with pytest.raises(openai.APIStatusError) as refused:
+            c.chat.completions.create(model=MODEL, messages=too_big, max_tokens=1)
+        assert refused.value.status_code == 413
 
         # A response's counters follow its last byte, which the client may have read first.
         def answered() -> Samples | None:
@@ -136,6 +143,7 @@ def test_requests_ttft_itl_and_tokens_match_what_the_client_saw(
         # Invented names share one series: a client cannot grow /metrics without bound.
         assert value(got, "llmgw_router_requests_total", model=UNKNOWN_MODEL, status="404") == 2
         assert not any("no-such-model" in str(labels) for _, labels in got)
+        assert value(got, "llmgw_router_requests_total", model="", status="413") == 1
         # One time to first token per streamed response, in the TTFT buckets.
         assert value(got, "llmgw_router_time_to_first_token_seconds_count", model=MODEL) == 5
         assert value(got, "llmgw_router_time_to_first_token_seconds_bucket", model=MODEL, le="+Inf") == 5
