@@ -324,14 +324,21 @@ def observed_view(
             continue
         if status is not None and status.state in (State.FAILED, State.UNHEALTHY):
             state = State(status.state).name.lower()
-            failure = f"{shard.shard_id} on {shard.node_id} {state}: {status.error or 'no error reported'}"
+            error = _printable(status.error[:_MAX_OUTPUT]) or "no error reported"
+            failure = f"{shard.shard_id} on {shard.node_id} {state}: {error}"
             last = next((line.strip() for line in reversed(status.output_tail) if line.strip()), "")
             if last:
-                # The engine's last words (what failed), bounded: a node's strings reach logs and ctl.
-                failure += f"; its last output: {last[:_MAX_OUTPUT]}"
+                # The engine's last words (what failed), bounded and escaped: a node's strings reach
+                # logs, ctl and the fleet page.
+                failure += f"; its last output: {_printable(last[:_MAX_OUTPUT])}"
         elif count := failures(shard.node_id, shard.shard_id):
             failure = f"{shard.shard_id} on {shard.node_id} failed {count} time(s)"
     return ReplicaView(replica.replica_id, replica.revision or current, ready, failure)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped (``\x1b`` for ESC), so it cannot move a terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def recovered(

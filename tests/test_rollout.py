@@ -290,13 +290,13 @@ def test_a_replica_is_judged_by_what_its_agent_reports() -> None:
         st,
         state=schema.ShardState.FAILED,
         error="engine exited with code 1 while loading",
-        output_tail=["loading", "OSError: weights not found", ""],
+        output_tail=["loading", "OSError: weights not found\x1b[2J", ""],
     )
     fleet.shard_status("gpu07", failed)
     seen = observed_view(placed, fleet.nodes, lambda n, s: 1, NEW)
     assert not seen.ready and seen.failure == (
         "chat-r0-s0-aaaaaa on gpu07 failed: engine exited with code 1 while loading; "
-        "its last output: OSError: weights not found"
+        "its last output: OSError: weights not found\\x1b[2J"
     )
 
 
@@ -386,7 +386,7 @@ ports = "{ports}"
 """
 
 
-def _model(name: str, itl_ms: int = 5, fail: str = "") -> str:
+def _model(name: str, itl_ms: int = 5, fail: str = "", gpus: int = 1, rollout: str = "") -> str:
     env = f'LLMGW_SIM_LOAD_SECONDS = "1", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "{itl_ms}"'
     if fail:
         env += f', LLMGW_SIM_FAIL_LOADING = "{fail}"'
@@ -396,20 +396,22 @@ name = "{name}"
 replicas = 2
 ready_timeout = 60
 [models.gpus]
-count = 1
+count = {gpus}
 [models.profile]
 engine = "vllm"
 model = "meta-llama/Llama-3.1-8B-Instruct"
 served_model_name = "{name}"
+tensor_parallel_size = {gpus}
 env = {{ {env} }}
+{f"[models.rollout]{chr(10)}{rollout}" if rollout else ""}
 """
 
 
 @contextlib.contextmanager
-def _one_node(tmp: Path, name: str, ports: str) -> Iterator[ControlProcess]:
-    """A control plane running ``name`` (2 replicas of one GPU each) and one sim agent with 4 GPUs:
-    room for the surge replica."""
-    cp = ControlProcess(tmp / "cp", _config(tmp, ports) + _model(name))
+def _one_node(tmp: Path, name: str, ports: str, gpus: int = 1) -> Iterator[ControlProcess]:
+    """A control plane running ``name`` (2 replicas of ``gpus`` GPUs each) and one sim agent with 4
+    GPUs: room for a surge replica of one GPU, none for one of two."""
+    cp = ControlProcess(tmp / "cp", _config(tmp, ports) + _model(name, gpus=gpus))
     agent = None
     try:
         cp.start()
@@ -580,3 +582,44 @@ def test_a_rollout_whose_new_replica_cannot_start_stops_and_the_old_ones_serve(t
         out = cp.ctl("rollout", "status", name, "--wait", "--timeout", "30")
         assert out.returncode == 0 and out.stdout.strip().endswith("successfully rolled out"), out
         assert sorted(s["pid"] for r in _ready(cp, name) for s in r["shards"]) == old_pids
+
+
+def test_without_spare_gpus_the_surge_waits_and_max_unavailable_one_goes_on(tmp_path: Path) -> None:
+    """Both replicas fill the node's 4 GPUs: with the defaults the new replica cannot be placed and
+    the status says why (old ones untouched); max_unavailable = 1, max_surge = 0 retires an old
+    replica first and the rollout completes, never below 1 ready replica."""
+    name = f"full-{os.getpid()}"
+    with _one_node(tmp_path, name, "26300-26349", gpus=2) as cp:
+        old = poll("2 ready replicas", lambda: r if len(r := _ready(cp, name)) == 2 else None, timeout=60)
+        old_pids = sorted(s["pid"] for r in old for s in r["shards"])
+        _apply(cp, tmp_path, _model(name, itl_ms=6, gpus=2))
+
+        def waiting() -> str | None:
+            out = cp.ctl("rollout", "status", name)
+            return out.stdout if out.returncode == 0 and "cannot be placed" in out.stdout else None
+
+        line = poll("the rollout waiting for GPUs", waiting, timeout=30)
+        assert "insufficient free GPUs (need 2, have 0 free)" in line, line
+        assert line.startswith("Waiting for rollout to finish: 0 out of 2 new replicas have been updated")
+        assert sorted(s["pid"] for r in _ready(cp, name) for s in r["shards"]) == old_pids
+        samples: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                samples.append(len(_ready(cp, name)))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            _apply(cp, tmp_path, _model(name, itl_ms=6, gpus=2, rollout="max_surge = 0\nmax_unavailable = 1"))
+            out = cp.ctl("rollout", "status", name, "--wait", "--timeout", "120")
+        finally:
+            stop.set()
+            sampler.join(30)
+        assert (
+            out.returncode == 0 and out.stdout.splitlines()[-1] == f"model/{name} successfully rolled out"
+        ), out
+        assert samples and min(samples) >= 1, samples
+        poll("the old engines gone", lambda: not any(pid_alive(p) for p in old_pids), timeout=60)
+        assert len(_ready(cp, name)) == 2
