@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router import relay
 from router.config import load
-from router.metrics import TTFT_BUCKETS, UNKNOWN_MODEL, Metrics
+from router.metrics import TTFT_BUCKETS, UNKNOWN_MODEL, Metrics, usage_of
 from tests.support import free_port, poll
 from tests.test_router import MODEL, Engine, start_engine, stop_engines
 
@@ -266,3 +266,23 @@ def test_a_bad_log_setting_exits_2_naming_where_it_came_from(tmp_path: Path) -> 
     config = load(static, both).config
     assert (config.log_level, config.log_format) == ("error", "json")
     assert load([*static, "--log-level", "warning"], both).config.log_level == "warning"
+
+
+def test_usage_is_read_from_the_last_usage_object_of_a_tail() -> None:
+    """What ``usage_of`` takes from a body's last bytes: a stream's usage chunk (chunked framing
+    around it), a JSON answer's object with nested details; not a null, a cut-off object, or the
+    word inside generated text (escaped quotes there)."""
+    stream = (
+        b'\r\n5a\r\ndata: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,'
+        b'"total_tokens":10}}\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n'
+    )
+    assert usage_of(stream) == (7, 3)
+    answer = (
+        b'{"choices":[{"message":{"content":"a \\"usage\\": {\\"prompt_tokens\\": 1}"}}],'
+        b'"usage":{"prompt_tokens":12,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":8}}}'
+    )
+    assert usage_of(answer) == (12, 4)
+    assert usage_of(b'data: {"choices":[{"delta":{}}],"usage":null}\n\n') is None
+    assert usage_of(b'_tokens":3}}\n\ndata: [DONE]\n\n') is None  # its start fell off the tail
+    assert usage_of(b'"usage":{"prompt_tokens":-1,"completion_tokens":2}') is None
+    assert usage_of(b'"usage":{"prompt_tokens":true,"completion_tokens":2}') is None
