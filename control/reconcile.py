@@ -134,7 +134,9 @@ class Reconciler:
         observed = node.shards.get(shard.shard_id)
         state = observed.state if observed is not None else None
         if observed is not None and state in LIVE and _differs(observed.spec, spec):
-            # Same shard id, new shape (GPUs, port, profile changed in the catalog): replace it.
+            # Same shard id, new shape: replace it. A changed template is rolled out under new
+            # replica ids (control.rollout), so this is left for a placement whose revision was
+            # taken as current before its engine had reported (one from before rollouts).
             if mem.stop_sent_at is None or now - mem.stop_sent_at >= self.stop_grace + self.start_timeout:
                 mem.stop_sent_at = now
                 return [Stop(node.node_id, shard.shard_id, self.stop_grace)]

@@ -52,6 +52,10 @@ from control.placement import ReplicaPlacement
 
 State = schema.ShardState
 
+#: The revision of a replica whose engine runs a template the control plane no longer knows (its
+#: placement predates revisions, and its spec is not of the model's template now).
+UNKNOWN_REVISION = "unknown"
+
 #: The most of an engine's last output line a failure's words carry.
 _MAX_OUTPUT = 240
 
@@ -350,7 +354,9 @@ def recovered(
 ) -> ReplicaPlacement:
     """A placement that carries no revision (from an older state file, or adopted from agents'
     reports) with the one its engines show: ``current`` when every shard's running spec is of the
-    model's template now; unchanged ("", an old revision) when one is not, or none reports yet."""
+    model's template now, ``UNKNOWN_REVISION`` (an old one: rolled out) when one is not, and
+    unchanged while a shard's engine has not reported (a replica with no revision yet counts as
+    current: nothing is replaced on a guess)."""
     if replica.revision:
         return replica
     specs = []
@@ -360,9 +366,10 @@ def recovered(
         if status is None or status.spec is None:
             return replica
         specs.append(status.spec)
-    if specs and all(spec_matches(model, profile, spec) for spec in specs):
-        return attrs.evolve(replica, revision=current)
-    return replica
+    if not specs:
+        return replica
+    matches = all(spec_matches(model, profile, spec) for spec in specs)
+    return attrs.evolve(replica, revision=current if matches else UNKNOWN_REVISION)
 
 
 @attrs.define
@@ -420,6 +427,7 @@ class Rollouts:
 
 __all__ = [
     "REVISION_LENGTH",
+    "UNKNOWN_REVISION",
     "Decision",
     "Phase",
     "ReplicaView",

@@ -283,7 +283,9 @@ def test_a_replica_is_judged_by_what_its_agent_reports() -> None:
     placed = ReplicaPlacement("chat", "chat-r0", (ShardAssignment("chat-r0-s0-aaaaaa", "gpu07", (0,), 8000),))
     assert recovered(placed, fleet.nodes, m, profile, NEW).revision == NEW
     other = schema.EngineProfile(engine="vllm", model="m", served_model_name="chat", dtype="half")
-    assert recovered(placed, fleet.nodes, m, other, NEW).revision == ""  # an old engine: rolled out
+    assert recovered(placed, fleet.nodes, m, other, NEW).revision == "unknown"  # old: rolled out
+    unseen = ReplicaPlacement("chat", "chat-r1", (ShardAssignment("chat-r1-s0-bbbbbb", "gpu07", (1,), 8001),))
+    assert recovered(unseen, fleet.nodes, m, other, NEW) == unseen  # not reported yet: not judged
     assert recovered(attrs.evolve(placed, revision=OLD), fleet.nodes, m, profile, NEW).revision == OLD
     assert observed_view(placed, fleet.nodes, lambda n, s: 0, NEW) == ReplicaView("chat-r0", NEW, True)
     failed = dataclasses.replace(
