@@ -8,6 +8,7 @@ import dataclasses
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -497,8 +498,10 @@ def test_a_rolling_change_under_streaming_load_fails_no_request(tmp_path: Path) 
             t.start()
         try:
             poll("requests flowing", lambda: sum(o.ok for o in outcomes) >= 8, timeout=30)
+            began = time.monotonic()
             _apply(cp, tmp_path, _model(name, itl_ms=6))
             out = cp.ctl("rollout", "status", name, "--wait", "--timeout", "120")
+            took = time.monotonic() - began
             assert out.returncode == 0, out
             assert out.stdout.splitlines()[-1] == f"model/{name} successfully rolled out", out.stdout
             assert "Waiting for rollout to finish:" in out.stdout, out.stdout
@@ -511,7 +514,8 @@ def test_a_rolling_change_under_streaming_load_fails_no_request(tmp_path: Path) 
             for t in threads:
                 t.join(60)
         failed = [o for o in outcomes if not o.ok]
-        print(f"\n{len(outcomes)} streamed requests during the rollout, {len(failed)} failed; "
+        print(f"\nrollout of 2 replicas (engines loading 1 s) complete {took:.1f} s after the apply; "
+              f"{len(outcomes)} streamed requests during it, {len(failed)} failed; "
               f"ready replicas sampled {len(samples)} times, fewest {min(samples)}")  # fmt: skip
         assert not failed, failed[:3]
         assert samples and min(samples) >= 2, samples
