@@ -5,12 +5,17 @@ URL and key), or to the reason none can. The control plane rebuilds it after eve
 hands the same value to its embedded router and to the routers that watch it, so the rules below are
 written once:
 
-- A replica counts while every shard last reported READY (or DRAINING) and no node of it is lost: an
+- A replica counts while every shard last reported READY and no node of it is lost: an
   unreachable agent says nothing about its engines, which keep serving (the router ejects an engine
   that really fails).
-- Replicas being drained, and engines no placement wants any more (the old copy of a replica moving
-  off a drained or returning node), are used only when nothing else is ready, so a drain moves
-  traffic as soon as the replacement is up and not before.
+- A DRAINING engine gets no new request, ever: its agent stops it once its in-flight requests are
+  done, and new ones would keep that from happening (and be cut off at the deadline). The control
+  plane drains an engine only once it is not needed: a rollout's or a scale's old replica, a
+  deleted model's.
+- READY replicas on a node being drained, and READY engines no placement wants any more (the old
+  copy of a replica moving off a drained or returning node, before it is drained), are used only
+  when nothing else is ready, so a drain moves traffic as soon as the replacement is up and not
+  before.
 - Static ``[[endpoints]]`` are appended to their model's upstreams.
 """
 
@@ -26,9 +31,8 @@ from control.placement import ReplicaPlacement, Unplaced, model_name_of
 from router.routes import ModelRoutes, Upstream
 
 State = schema.ShardState
-#: Shard states whose engine answers requests (a draining engine finishes what it has, and is the
-#: fallback until its replacement is ready).
-_SERVING = (State.READY, State.DRAINING)
+#: Shard states whose engine takes new requests (a draining one only finishes what it has).
+_SERVING = (State.READY,)
 
 #: ``key_for(shard_id, engine)``: the API key the router sends to that shard's engine ("" for none).
 KeyFor = Callable[[str, str], str]
@@ -72,9 +76,7 @@ def route_table(
                 f"http://{node.register.mgmt_addr}:{leader.port}",
                 api_key=key_for(leader.shard_id, model.profile.engine),
             )
-            is_leaving = any(n is not None and n.draining for n in holders) or any(
-                st is not None and st.state == State.DRAINING for st in statuses
-            )
+            is_leaving = any(n is not None and n.draining for n in holders)
             (leaving if is_leaving else ready).append(upstream)
         leaving.extend(_unplaced_engines(model, nodes, placed, key_for))
         reasons = [u.reason for u in unplaced if u.model == model.name]

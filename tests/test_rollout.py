@@ -303,6 +303,43 @@ def test_a_replica_is_judged_by_what_its_agent_reports() -> None:
     )
 
 
+def test_a_draining_engine_gets_no_new_request_even_with_nothing_else_ready() -> None:
+    """The router's table leaves DRAINING engines out: their agent stops them once their requests
+    are done, which new ones would put off until the deadline cuts them. A READY engine no placement
+    wants any more is still the fallback until it is drained."""
+    from control.fleet import Fleet
+    from control.placement import ShardAssignment
+    from control.routes import route_table
+
+    m = model()
+
+    def st(shard: str, rid: str, state: schema.ShardState, port: int) -> schema.ShardStatus:
+        spec = schema.StartShard(
+            shard_id=shard, replica_id=rid, http_port=port, profile=schema.EngineProfile()
+        )
+        return schema.ShardStatus(shard_id=shard, replica_id=rid, state=state, spec=spec)
+
+    fleet = Fleet(15, 300)
+    fleet.registered(
+        schema.Register(
+            node_id="gpu07",
+            mgmt_addr="10.0.0.7",
+            shards=[
+                st("chat-r0-s0-aaaaaa", "chat-r0", schema.ShardState.DRAINING, 8000),
+                st("chat-r1-s0-bbbbbb", "chat-r1", schema.ShardState.DRAINING, 8001),
+            ],
+        ),
+        now=0,
+    )
+    placed = [ReplicaPlacement("chat", "chat-r0", (ShardAssignment("chat-r0-s0-aaaaaa", "gpu07", (), 8000),))]
+    routes = route_table([m], placed, fleet.nodes)
+    assert routes["chat"].upstreams == ()
+    fleet.shard_status("gpu07", st("chat-r1-s0-bbbbbb", "chat-r1", schema.ShardState.READY, 8001))
+    assert [u.url for u in route_table([m], placed, fleet.nodes)["chat"].upstreams] == [
+        "http://10.0.0.7:8001"
+    ]
+
+
 # -- placement's part -------------------------------------------------------------------------------
 
 
