@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -615,6 +616,10 @@ def test_a_rollout_whose_new_replica_cannot_start_stops_and_the_old_ones_serve(t
             ),
         )
         assert _rollout(cp, name)["state"] == "failed"  # and it stays so: nothing new is tried
+        as_json = cp.ctl("rollout", "status", name, "-o", "json")
+        assert as_json.returncode == 1 and json.loads(as_json.stdout)["state"] == "failed", as_json
+        unknown = cp.ctl("rollout", "status", f"nope-{name}")
+        assert unknown.returncode == 1 and "HTTP 404" in unknown.stderr and name in unknown.stderr, unknown
         described = cp.ctl("describe", "model", name)
         assert (
             described.returncode == 0
