@@ -671,3 +671,37 @@ def test_without_spare_gpus_the_surge_waits_and_max_unavailable_one_goes_on(tmp_
         assert samples and min(samples) >= 1, samples
         poll("the old engines gone", lambda: not any(pid_alive(p) for p in old_pids), timeout=60)
         assert len(_ready(cp, name)) == 2
+
+
+@pytest.mark.chaos
+def test_a_control_plane_killed_mid_rollout_finishes_it_with_one_engine_per_replica(tmp_path: Path) -> None:
+    """kill -9 while the surge replica loads: the restarted control plane knows which replicas are
+    new (the state file), starts nothing twice, finishes the rollout and leaves two engines."""
+    name = f"mid-{os.getpid()}"
+    with _one_node(tmp_path, name, "26350-26399") as cp:
+        old = poll("2 ready replicas", lambda: r if len(r := _ready(cp, name)) == 2 else None, timeout=60)
+        old_pids = sorted(s["pid"] for r in old for s in r["shards"])
+        _apply(
+            cp,
+            tmp_path,
+            _model(name, itl_ms=6).replace('LLMGW_SIM_LOAD_SECONDS = "1"', 'LLMGW_SIM_LOAD_SECONDS = "3"'),
+        )
+        poll(
+            "the surge replica loading",
+            lambda: (
+                ((d := _rollout(cp, name))["updated_replicas"] == 1 and d["updated_ready_replicas"] == 0)
+                or None
+            ),
+            timeout=30,
+        )
+        cp.kill9()
+        cp.start()
+        out = cp.ctl("rollout", "status", name, "--wait", "--timeout", "120")
+        assert (
+            out.returncode == 0 and out.stdout.splitlines()[-1] == f"model/{name} successfully rolled out"
+        ), out
+        poll("the old engines gone", lambda: not any(pid_alive(p) for p in old_pids), timeout=60)
+        new = _ready(cp, name)
+        assert len(new) == 2 and sorted(sim_processes(name)) == sorted(
+            s["pid"] for r in new for s in r["shards"]
+        )
