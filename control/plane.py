@@ -514,6 +514,8 @@ class ControlPlane:
                 target, views, ready_timeout=model.ready_timeout, now=now, taken=reported.get(name, ())
             )
         self.rollouts.forget(self.models)
+        for gone in [n for n in self._revisions if n not in self.models]:
+            del self._revisions[gone]
         self._decisions = decisions
 
     def _rollout_statuses(self, plan: Plan) -> None:
