@@ -159,7 +159,17 @@ def model_rows(docs: dict[str, Any], wide: bool) -> tuple[list[str], list[list[s
     """``get models``: per model, replicas wanted, placed and ready (kubectl's READY is ready/wanted)."""
     header = ["NAME", "READY", "PLACED", "WANTED"]
     if wide:
-        header += ["ENGINE", "SERVED-AS", "GPUS/SHARD", "NODES/REPLICA", "GENERATION", "SOURCE", "REASON"]
+        header += [
+            "ENGINE",
+            "SERVED-AS",
+            "GPUS/SHARD",
+            "NODES/REPLICA",
+            "GENERATION",
+            "SOURCE",
+            "REVISION",
+            "ROLLOUT",
+            "REASON",
+        ]
     rows = []
     for m in docs["models"]:
         row = [
@@ -176,6 +186,8 @@ def model_rows(docs: dict[str, Any], wide: bool) -> tuple[list[str], list[list[s
                 str(m["nodes_per_replica"]),
                 str(m.get("generation") or "-"),
                 _model_source(m),
+                m.get("revision") or "-",
+                m.get("rollout") or "-",
                 "deleting: its engines drain and stop"
                 if m.get("deleting")
                 else (m["unplaced"][0] if m["unplaced"] else "-"),
@@ -321,6 +333,12 @@ def describe_model(model: dict[str, Any]) -> str:
     if model.get("generation"):
         deleting = "; deleting: its engines drain and stop, then it is gone" if model.get("deleting") else ""
         out.append(f"Generation:    {model['generation']} (source {_model_source(model)}){deleting}")
+    if rollout := model.get("rollout"):
+        out.append(
+            f"Rollout:       {rollout['state']}, revision {rollout['revision']}: "
+            f"{rollout['updated_ready_replicas']}/{rollout['replicas']} updated and ready, "
+            f"{rollout['old_replicas']} old" + (f"; {rollout['reason']}" if rollout.get("reason") else "")
+        )
     out += [
         "Placed:" if why["placed"] else "Placed:        none",
     ]
@@ -588,7 +606,8 @@ def _add_model_verbs(verb: Callable[..., argparse.ArgumentParser]) -> None:
         "scale",
         "set a model's replica count (0 stops every replica, the model stays)",
         "Set MODEL's replica count. Replicas added are placed and started; replicas taken away are "
-        "stopped, the highest-numbered first. Prints model/NAME scaled (or unchanged).",
+        "drained (a ready engine finishes its requests, the router sends it nothing new) and stopped, "
+        "the highest-numbered first. Prints model/NAME scaled (or unchanged).",
     )
     scale.add_argument("model", help="the model name (ctl get models lists them)")
     scale.add_argument("replicas", type=_count, metavar="N", help="the number of replicas, 0 or more")

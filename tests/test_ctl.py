@@ -221,11 +221,15 @@ def test_get_replicas_and_models(node: Node) -> None:
         "NODES/REPLICA",
         "GENERATION",
         "SOURCE",
+        "REVISION",
+        "ROLLOUT",
         "REASON",
     ]
     (huge,) = columns(wide.stdout)
     assert [huge["ENGINE"], huge["SERVED-AS"], huge["GPUS/SHARD"]] == ["sim", HUGE, "8"], huge
     assert [huge["GENERATION"], huge["SOURCE"]] == ["1", "file"], huge
+    # Its template revision (control.rollout), and a rollout that cannot finish without GPUs.
+    assert len(huge["REVISION"]) == 10 and huge["ROLLOUT"] not in ("-", "complete"), huge
     assert huge["REASON"] == "0/1 nodes are available: 1 insufficient free GPUs (need 8, have 0 free).", huge
     doc = json.loads(ctl("get", "models", "--api", node.api, "--json").stdout)
     assert {m["model"]: m["replicas_ready"] for m in doc} == {CHAT: 1, CRASH: 1, HUGE: 0}
@@ -275,6 +279,8 @@ def test_describe_node_and_model(node: Node) -> None:
     assert "Replicas:      1 ready, 1 placed, 1 wanted" in model.stdout
     assert f"    {chat['shard_id']}  ready  on gpu07 GPUs - pid {chat['pid']}  {chat['url']}" in model.stdout
     assert "Generation:    1 (source file)" in model.stdout
+    assert "Rollout:       complete, revision " in model.stdout
+    assert ": 1/1 updated and ready, 0 old" in model.stdout, model.stdout
     # This model's own events (model/NAME: catalog changes, rollouts) and its shards' only.
     objects = {e["OBJECT"] for e in columns(model.stdout.split("Events:\n", 1)[1])}
     assert chat["shard_id"] in objects and objects <= {chat["shard_id"], f"model/{CHAT}"}, model.stdout
