@@ -696,7 +696,11 @@ class ControlPlane:
     async def save(self) -> None:
         """Write what a restart needs (``control.state``), when it changed; fsynced before it returns."""
         await self._saver.save(
-            self.fleet.generation, self.fleet.nodes.values(), self.placements, self.fleet.cordons, self.catalog
+            self.fleet.generation,
+            self.fleet.nodes.values(),
+            self.placements,
+            self.fleet.cordons,
+            self.catalog,
         )
 
     async def save_now(self) -> None:
