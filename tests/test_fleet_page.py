@@ -336,8 +336,14 @@ def test_an_engine_failure_shows_its_output_as_text(tmp_path: Path, browser: Any
         # failed ...); its failure count stays on the row whatever the moment.
         crash_row = next((r for r in _rows(browser, "shards") if r.startswith(crash)), "")
         assert "failure(s)" in crash_row and " ready " not in crash_row.split(" gpu07")[0], crash_row
-        fragment = httpx.get(f"http://127.0.0.1:{cp.api_port}/fleet", timeout=15).text
-        assert "&lt;script&gt;window.__xss=1" in fragment and "<script>window" not in fragment
+
+        # The fragment shows the tail while the shard is failed (between its retries): escaped.
+        def escaped_fragment() -> str | None:
+            text = httpx.get(f"http://127.0.0.1:{cp.api_port}/fleet", timeout=15).text
+            return text if "&lt;script&gt;window.__xss=1" in text else None
+
+        fragment = poll("the failed engine's output in /fleet", escaped_fragment, timeout=60)
+        assert "<script>window" not in fragment
     finally:
         cp.terminate()
         if agent is not None:
