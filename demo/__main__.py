@@ -4,7 +4,7 @@ It starts the control plane (``python -m control``) with an embedded catalog, tw
 (``python -m agent``) with static inventories (an 8x H100 node and a 4x L40S node), whose vLLM
 profiles run on the ``sim`` engine through the real vLLM adapter; waits, showing progress, until the
 replicas are ready; streams a chat completion through the router with the ``openai`` client; prints
-``ctl nodes`` and ``ctl replicas``; and exits cleanly, ending every process it started (engines
+``ctl get nodes -o wide``, ``ctl get models`` and ``ctl get replicas -o wide``; and exits cleanly, ending every process it started (engines
 included: they outlive agents by design). ``--serve`` keeps everything running and says where the
 router listens.
 
@@ -344,7 +344,7 @@ def ctl_lines(api: str, token: str = "") -> list[str]:
     lines = [f"export LLMGW_API={shlex.quote(api)}"]
     if token:
         lines.append(f"export LLMGW_API_TOKEN={shlex.quote(token)}")
-    lines.append(f"{shlex.quote(sys.executable)} -m control ctl nodes")
+    lines.append(f"{shlex.quote(sys.executable)} -m control ctl get nodes -o wide")
     return lines
 
 
@@ -367,8 +367,9 @@ def main() -> int:
             demo.start()
             demo.wait_ready()
             demo.chat()
-            demo.ctl("nodes")
-            demo.ctl("replicas")
+            demo.ctl("get", "nodes", "-o", "wide")
+            demo.ctl("get", "models")
+            demo.ctl("get", "replicas", "-o", "wide")
             if args.serve:
                 say(
                     f"serving: the router listens on http://127.0.0.1:{demo.router_port}/v1 (model {demo.model}); Ctrl-C to stop"

@@ -27,7 +27,11 @@ def test_demo_runs_end_to_end() -> None:
     streamed = out.split("(model llama-3.1-8b-instruct, streaming):", 1)[1].splitlines()[1]
     assert len(streamed.split()) >= 5  # tokens arrived through the router
     assert re.search(r"gpu01\s+ready", out) and re.search(r"gpu02\s+ready", out)
-    assert out.count("llama-3.1-8b-instruct-r") >= 4 and re.search(r"http://127\.0\.0\.[12]:21[01]\d\d", out)
+    assert re.search(r"llama-3\.1-8b-instruct\s+2/2\s+2\s+2", out)  # get models: READY PLACED WANTED
+    replicas = re.findall(
+        r"^llama-3\.1-8b-instruct-r\d\s+llama-3\.1-8b-instruct\s+ready\s.*\b21[01]\d\d$", out, re.M
+    )
+    assert len(replicas) == 2, out  # get replicas -o wide: both ready, each with its engine's port
     assert out.rstrip().endswith("demo | done")
     # Every engine the demo started is gone again.
     assert sim_engines() <= before
@@ -47,7 +51,9 @@ def test_demo_serve_prints_lines_that_make_ctl_work_in_another_shell() -> None:
         deadline = time.monotonic() + 240
         # The printed command is the first line after the exports without the "demo | " prefix.
         while not (
-            seen and seen[-1].endswith(" -m control ctl nodes\n") and not seen[-1].startswith("demo |")
+            seen
+            and seen[-1].endswith(" -m control ctl get nodes -o wide\n")
+            and not seen[-1].startswith("demo |")
         ):
             try:
                 seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
