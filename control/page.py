@@ -203,7 +203,7 @@ def _model_row(m: Mapping[str, Any]) -> str:
     return (
         f"<tr><td>{_e(m['model'])}</td><td>{_e(m.get('engine', ''))}</td>"
         f'<td class="num">{_state(state)} {ready}/{wanted}</td><td class="num">{placed}</td>'
-        f"<td>{reasons or '-'}</td></tr>"
+        f"<td>{_e(m.get('rollout') or '-')}</td><td>{reasons or '-'}</td></tr>"
     )
 
 
@@ -267,7 +267,7 @@ def fleet_html(
         + "<h2>Models</h2>"
         + _table(
             "models",
-            ("model", "engine", "replicas ready/wanted", "placed", "why not placed"),
+            ("model", "engine", "replicas ready/wanted", "placed", "rollout", "why not placed"),
             (_model_row(m) for m in models),
             "The catalog holds no model.",
         )

@@ -332,6 +332,12 @@ def test_an_engine_failure_shows_its_output_as_text(tmp_path: Path, browser: Any
         assert HOSTILE in tail
         assert browser.execute_script("return window.__xss === undefined")
         assert poll("chat ready", lambda: "ready 1/1" in (_row(browser, "models", chat) or ""), timeout=60)
+        # Its rollout (control.rollout) completes once the replica of its revision is ready.
+        poll(
+            "chat's rollout complete",
+            lambda: " complete " in (_row(browser, "models", chat) or ""),
+            timeout=30,
+        )
         # The crashing shard is retried with backoff, so its state moves (failed, starting,
         # failed ...); its failure count stays on the row whatever the moment.
         crash_row = next((r for r in _rows(browser, "shards") if r.startswith(crash)), "")
