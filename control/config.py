@@ -86,7 +86,7 @@ import ipaddress
 import re
 import tomllib
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -546,6 +546,18 @@ class ModelConfig:
         return self.name
 
 
+def _unique_names(models: Sequence[ModelConfig], hint: str) -> None:
+    """Refuse a second ``[[models]]`` table of a name, naming both tables' places."""
+    first: dict[str, int] = {}
+    for i, m in enumerate(models):
+        if m.name in first:
+            raise FieldProblem(
+                ("models", i, "name"),
+                f"duplicate name {m.name!r} (models[{first[m.name]}] has it too); {hint}",
+            )
+        first[m.name] = i
+
+
 @attrs.frozen
 class EndpointConfig:
     """A static endpoint for router-only runs: traffic for ``model`` goes to ``url``."""
@@ -613,14 +625,7 @@ class ControlConfig:
     backoff_reset_after: float = attrs.field(default=600.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        first: dict[str, int] = {}
-        for i, m in enumerate(self.models):
-            if m.name in first:
-                raise FieldProblem(
-                    ("models", i, "name"),
-                    f"duplicate name {m.name!r} (models[{first[m.name]}] has it too); each model needs its own",
-                )
-            first[m.name] = i
+        _unique_names(self.models, "each model needs its own")
         if not self.runs_control_plane and not self.listen.router:
             raise FieldProblem(
                 ("listen", "router"),
@@ -836,14 +841,7 @@ class ModelsFile:
     models: tuple[ModelConfig, ...] = ()
 
     def __attrs_post_init__(self) -> None:
-        first: dict[str, int] = {}
-        for i, m in enumerate(self.models):
-            if m.name in first:
-                raise FieldProblem(
-                    ("models", i, "name"),
-                    f"duplicate name {m.name!r} (models[{first[m.name]}] has it too); each model once",
-                )
-            first[m.name] = i
+        _unique_names(self.models, "each model once")
 
 
 def parse_models(text: str, source: str = "<models>") -> tuple[ModelConfig, ...]:
