@@ -77,7 +77,13 @@ def test_hanging_version_command_is_bounded_and_leaves_nothing(bin_dir: Path, tm
     took = time.monotonic() - started
     assert found == Installed("llamacpp", error="`llama-server --version` did not answer within 1 s")
     assert took < 4.0, f"detection took {took:.1f} s with a 1 s deadline"
-    assert not _processes_naming(marker), "the hanging command's child outlived the deadline"
+    # SIGKILL went to the whole group at the deadline; the kernel ends the child asynchronously (on a
+    # loaded machine it may still be exiting a moment later), so wait for it with a short deadline.
+    poll(
+        "the hanging command's child to be gone after the deadline",
+        lambda: not _processes_naming(marker),
+        5.0,
+    )
 
 
 def _processes_naming(marker: str) -> list[int]:
