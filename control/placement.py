@@ -772,6 +772,10 @@ def _resource_reason(
             if reason is None:
                 reason = memo[key] = _gpu_reason(model, *key)
             return reason
+    if not info.port_count:
+        # The node's range and the control plane's do not overlap: no port will ever free up there.
+        text = "no engine ports: the agent's --engine-ports and llmgw.toml's [engines] ports do not overlap"
+        return _Reason("ports", text, text)
     if ledger.free_ports(info) < 1:
         text = f"no free port in {info.first_port}-{info.last_port}"
         return _Reason("ports", text, text)

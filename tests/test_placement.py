@@ -284,6 +284,17 @@ def test_ports_lowest_free_and_exhaustion() -> None:
     assert why.reason == "0/1 nodes are available: 1 no free port in 8000-8001."
 
 
+def test_disjoint_port_ranges_say_so_instead_of_an_inverted_range() -> None:
+    """The control plane passes the overlap of the node's ports and its own; an empty overlap
+    (first > last) is a configuration mismatch, not a full node."""
+    fleet = [node("cpu01", 0, ports=(21000, 8999))]
+    (why,) = place([ModelSpec("sim", 1, 0)], fleet, []).unplaced
+    assert why.per_node["cpu01"] == (
+        "no engine ports: the agent's --engine-ports and llmgw.toml's [engines] ports do not overlap"
+    )
+    assert "21000-8999" not in why.reason
+
+
 def test_cpu_only_models_prefer_nodes_without_gpus_and_spread() -> None:
     fleet = [node("cpu01", 0), node("cpu02", 0), node("gpu01", 8)]
     plan = place([ModelSpec("sim", 3, 0)], fleet, [])
