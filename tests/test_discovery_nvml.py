@@ -39,6 +39,11 @@ class FakeNotSupported(FakeNVMLError):
         super().__init__("Not Supported")
 
 
+class FakeFunctionNotFound(FakeNVMLError):
+    def __init__(self) -> None:
+        super().__init__("Function Not Found")
+
+
 class FakeLibraryNotFound(FakeNVMLError):
     def __init__(self) -> None:
         super().__init__("NVML Shared Library Not Found")
@@ -51,6 +56,8 @@ class FakeGpu:
     capability: tuple[int, int] = (9, 0)
     total_mib: int = 81559
     used_mib: int = 0
+    #: What the driver keeps for itself: NVML's v1 memory query counts it as used, v2 does not.
+    reserved_mib: int = 0
     utilization: int = 0
     bus_id: str | bytes = ""
     #: link number -> (remote PCI bus id, remote device type: 0 GPU, 1 IBM NPU, 2 switch)
@@ -65,7 +72,9 @@ class FakeNvml:
     NVMLError = FakeNVMLError
     NVMLError_NotSupported = FakeNotSupported
     NVMLError_LibraryNotFound = FakeLibraryNotFound
+    NVMLError_FunctionNotFound = FakeFunctionNotFound
     NVML_NVLINK_MAX_LINKS = 18
+    nvmlMemory_v2 = 0x2000028  # pynvml's value
     NVML_FEATURE_ENABLED = 1
 
     def __init__(
@@ -76,7 +85,9 @@ class FakeNvml:
         driver: str | bytes = b"550.54.15",
         cuda: int = 12040,
         unopenable: frozenset[int] = frozenset(),
+        memory_v2: bool = True,
     ) -> None:
+        self.memory_v2 = memory_v2
         self.gpus = gpus
         self.init_error = init_error
         self.driver = driver
@@ -123,9 +134,19 @@ class FakeNvml:
     def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
         return self._gpu(handle, "nvmlDeviceGetCudaComputeCapability").capability
 
-    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        """pynvml's: without ``version`` the v1 call (used includes the reserved memory), with
+        ``nvmlMemory_v2`` the v2 call, which an older driver does not have."""
         gpu = self._gpu(handle, "nvmlDeviceGetMemoryInfo")
-        return SimpleNamespace(total=gpu.total_mib * MIB, used=gpu.used_mib * MIB, free=0)
+        total, used, reserved = gpu.total_mib * MIB, gpu.used_mib * MIB, gpu.reserved_mib * MIB
+        if version is None:
+            return SimpleNamespace(total=total, used=used + reserved, free=total - used - reserved)
+        assert version == self.nvmlMemory_v2, version
+        if not self.memory_v2:
+            raise FakeFunctionNotFound()
+        return SimpleNamespace(
+            version=version, total=total, reserved=reserved, used=used, free=total - used - reserved
+        )
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         return SimpleNamespace(gpu=self._gpu(handle, "nvmlDeviceGetUtilizationRates").utilization, memory=0)
@@ -333,3 +354,25 @@ def test_usage_degrades_for_mig_and_reports_a_lost_gpu() -> None:
     assert (usage[0].memory_used_mib, usage[0].utilization_percent, usage[0].error) == (10, 0, "")
     assert usage[1].error == "GPU is lost"
     assert len(usage) == 8
+
+
+def test_memory_used_is_counted_as_nvidia_smi_counts_it() -> None:
+    """Recorded on an H200 (driver 580.159.04), idle: v1 said 615 MiB used, v2 and nvidia-smi 0; with
+    64 GiB allocated, v1 66769 MiB and nvidia-smi 66155. Discovery and heartbeats ask v2."""
+    gpu = FakeGpu(uuid="GPU-h200", name="NVIDIA H200", total_mib=143771, used_mib=0, reserved_mib=615)
+    lib = FakeNvml([gpu])
+    (found,) = discover_nvml(lib).gpus
+    assert (found.memory_total_mib, found.memory_used_mib) == (143771, 0)
+    gpu.used_mib = 66155
+    with NvmlSession.open(lib) as session:
+        (usage,) = session.usage()
+    assert usage.memory_used_mib == 66155
+
+
+def test_driver_without_memory_v2_is_asked_v1() -> None:
+    gpu = FakeGpu(uuid="GPU-old", total_mib=81559, used_mib=100, reserved_mib=500)
+    lib = FakeNvml([gpu], memory_v2=False)
+    (found,) = discover_nvml(lib).gpus
+    assert (found.memory_total_mib, found.memory_used_mib) == (81559, 600)
+    with NvmlSession.open(lib) as session:
+        assert session.usage()[0].memory_used_mib == 600
