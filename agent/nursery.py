@@ -28,7 +28,7 @@ import trio
 import schema
 from agent import __version__
 from agent.config import AgentConfig
-from agent.discovery import Inventory, NvmlSession
+from agent.discovery import Inventory, NvmlSession, nvidia_smi
 from agent.discovery.model import GpuUsage
 from agent.engines import ENGINES, LaunchContext, versions
 from agent.engines.versions import Installed
@@ -148,12 +148,20 @@ async def keep_credential(config: AgentConfig, credential: str) -> None:
     await trio.to_thread.run_sync(write_credential, config.state_dir, config.node_id, credential)
 
 
+#: The bound on one ``nvidia-smi`` usage read for a heartbeat: well under the control plane's
+#: ``unreachable_after``, so a wedged nvidia-smi costs one heartbeat's figures, never the node.
+NVIDIA_SMI_USAGE_TIMEOUT_S = 2.0
+
+
 def usage_reader(inventory: Inventory) -> Callable[[], Sequence[GpuUsage]]:
-    """Per-GPU usage for heartbeats: NVML when discovery used it, else the inventory's figures.
-    Opening NVML blocks: call it from a worker thread."""
+    """Per-GPU usage for heartbeats, read by the method discovery used: NVML, else ``nvidia-smi``
+    (one fork a heartbeat), else the static inventory's figures. Opening NVML blocks: call it from
+    a worker thread."""
     if inventory.source == "nvml":
         session = NvmlSession.open()
         return session.usage
+    if inventory.source == "nvidia-smi":
+        return functools.partial(nvidia_smi.usage, timeout_s=NVIDIA_SMI_USAGE_TIMEOUT_S)
     static = tuple(GpuUsage(index=g.index, memory_used_mib=g.memory_used_mib) for g in inventory.gpus)
     return lambda: static
 

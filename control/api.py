@@ -401,6 +401,30 @@ def events_doc(view: ControlView, events: Iterable[Event]) -> list[dict[str, Any
     ]
 
 
+def _gpu_devices(node: Node, holders: dict[int, list[str]]) -> list[dict[str, Any]]:
+    """Each GPU as the node registered it, with its memory used and utilization from the latest
+    heartbeat (the Register's figures until one came) and the shards placed on it: what an operator
+    compares when a replica is placed but its engine cannot allocate."""
+    devices = []
+    for gpu in node.register.gpus:
+        used, utilization = node.usage.get(gpu.index, (gpu.memory_used_mib, gpu.utilization_percent))
+        devices.append(
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "name": gpu.name,
+                "compute_capability": gpu.compute_capability,
+                "pci_bus_id": gpu.pci_bus_id,
+                "memory_total_mib": gpu.memory_total_mib,
+                "memory_used_mib": used,
+                "utilization_percent": utilization,
+                "nvlink_peers": list(gpu.nvlink_peers),
+                "shards": sorted(holders.get(gpu.index, ())),
+            }
+        )
+    return devices
+
+
 def node_doc(view: ControlView, node_id: str) -> dict[str, Any]:
     """One node for ``ctl describe node``: its ``/api/nodes`` entry, the replicas with a shard on
     it, and its recent events (liveness, operators' decisions, its shards' states and commands)."""
@@ -408,11 +432,15 @@ def node_doc(view: ControlView, node_id: str) -> dict[str, Any]:
     if node is None:
         raise ApiError(404, f"no node {node_id!r}; known: {', '.join(sorted(view.nodes)) or 'none'}")
     used: dict[str, set[int]] = {}
+    holders: dict[int, list[str]] = {}
     for replica in view.placements:
         for shard in replica.shards:
             if shard.node_id == node_id:
                 used.setdefault(node_id, set()).update(shard.gpu_indices)
+                for index in shard.gpu_indices:
+                    holders.setdefault(index, []).append(shard.shard_id)
     doc = _node_entry(view, node, used)
+    doc["gpu_devices"] = _gpu_devices(node, holders)
     doc["replicas"] = [r for r in replicas_doc(view) if any(s["node_id"] == node_id for s in r["shards"])]
     shard_ids = {
         *node.shards,

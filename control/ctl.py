@@ -268,6 +268,7 @@ def describe_node(node: dict[str, Any]) -> str:
         )
     if node.get("discovery_error"):
         out.append(f"Discovery:     {node['discovery_error']}")
+    out += gpu_devices_section(node.get("gpu_devices", []))
     shards = [(r, s) for r in replicas for s in r["shards"] if s["node_id"] == node_id]
     out.append("Shards:" if shards else "Shards:        none")
     if shards:
@@ -296,6 +297,31 @@ def describe_node(node: dict[str, Any]) -> str:
         ]
         out += ["  " + line for line in table(rows, ["WHEN", "FROM", "TO", "REASON"]).splitlines()]
     return "\n".join(out)
+
+
+def _gib(mib: int) -> str:
+    return f"{mib / 1024:.1f}"
+
+
+def gpu_devices_section(devices: list[dict[str, Any]]) -> list[str]:
+    """Each GPU with memory used/total and utilization as of the node's latest heartbeat, its NVLink
+    peers and the shards placed on it (a node without GPUs shows none)."""
+    if not devices:
+        return []
+    rows = [
+        [
+            str(d["index"]),
+            d["name"] or "-",
+            f"{_gib(d['memory_used_mib'])}/{_gib(d['memory_total_mib'])} GiB",
+            f"{d['utilization_percent']}%",
+            ",".join(map(str, d["nvlink_peers"])) or "-",
+            d["pci_bus_id"] or "-",
+            ",".join(d["shards"]) or "-",
+        ]
+        for d in devices
+    ]
+    header = ["GPU", "NAME", "MEMORY", "UTIL", "NVLINK", "BUS", "SHARDS"]
+    return ["GPU devices:", *("  " + line for line in table(rows, header).splitlines())]
 
 
 def events_section(events: list[dict[str, Any]]) -> list[str]:

@@ -114,6 +114,20 @@ def test_query_gpu_h100() -> None:
     assert last.pci_bus_id == "00000000:df:00.0"
 
 
+def test_recorded_h200_outputs() -> None:
+    """nvidia-smi's own output on a one-GPU H200 node (driver 580.159.04): the query row, the
+    one-GPU `topo -m` (underlined header, an empty GPU NUMA ID cell), `--version` and the banner."""
+    result = parse_query_gpu(fixture("query-gpu-h200-1x.csv"))
+    assert result.driver_version == "580.159.04"
+    (gpu,) = result.gpus
+    assert gpu.uuid == "GPU-9c3a9f27-d9e1-8b3a-af9b-6b147f9fb2d2"
+    assert (gpu.name, gpu.compute_capability, gpu.memory_total_mib) == ("NVIDIA H200", (9, 0), 143771)
+    assert gpu.pci_bus_id == "00000000:00:06.0"
+    assert parse_topology(fixture("topo-h200-1x.txt")) == {0: ()}
+    assert parse_cuda_version(fixture("version-h200.txt")) == "13.0"
+    assert parse_cuda_version(fixture("smi-h200-1x.txt")) == "13.0"
+
+
 def test_query_gpu_not_available_values_degrade() -> None:
     result = parse_query_gpu(csv_fixture("query-gpu-a100-4x-na.csv"))
     assert result.driver_version == "535.161.08"
