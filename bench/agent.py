@@ -9,10 +9,13 @@
 
 Targets (issue 3): idle under 1% of a core and under 80 MiB; engine exit to ShardStatus under 1 s.
 The control plane here is our stream server in this process, recording arrival times.
+``--quick`` runs it at a tiny size (seconds; figures not comparable), so that CI notices a
+benchmark that no longer runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -23,16 +26,28 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import trio
 
 import schema
+from bench.children import Child
 from control.transport import ServerStream, StreamServer
 
 ROOT = Path(__file__).resolve().parent.parent
 INVENTORY = ROOT / "tests" / "fixtures" / "inventory" / "h100x8.toml"
-IDLE_SECONDS = 20.0
-ROUNDS = 5
 TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@attrs.frozen
+class Size:
+    """How long the idle window is and how many engines are started and killed."""
+
+    idle_seconds: float = 20.0
+    rounds: int = 5
+    settle_seconds: float = 2.0  # start-up work that must be over before the idle window
+
+
+QUICK = Size(idle_seconds=2.0, rounds=2, settle_seconds=0.5)
 
 PEER = r"""
 import sys, time, grpc, schema
@@ -97,40 +112,43 @@ class RecordingControlPlane:
                 await self.changed.wait()
 
 
-async def measure_idle(pid: int) -> tuple[float, float]:
+async def measure_idle(pid: int, seconds: float) -> tuple[float, float]:
     c0, t0 = cpu_seconds(pid), time.monotonic()
-    await trio.sleep(IDLE_SECONDS)
+    await trio.sleep(seconds)
     return 100 * (cpu_seconds(pid) - c0) / (time.monotonic() - t0), rss_mib(pid)
 
 
-async def main() -> None:
+async def bench(size: Size) -> None:
     cp = RecordingControlPlane()
     server = StreamServer(cp.handle)
     with tempfile.TemporaryDirectory() as tmp:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.serve, "127.0.0.1", 0)
-            # Plain Popen: the benchmark ends these processes itself, at a point it chooses.
-            agent = subprocess.Popen(  # noqa: ASYNC220
+            # The benchmark ends these itself, at a point it chooses, and never waits on them
+            # without a bound (bench.children).
+            agent = Child(
+                "the agent",
                 [
                     sys.executable, "-m", "agent", "--node-id", "bench01",
                     "--server", f"http://127.0.0.1:{port}", "--inventory", str(INVENTORY),
                     "--state-dir", tmp, "--heartbeat-interval", "1", "--mgmt-addr", "127.0.0.1",
                     "--engines", f"vllm={sys.executable} -m agent.engines.sim",
                 ],
-                stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
-            peer = subprocess.Popen([sys.executable, "-c", PEER, f"127.0.0.1:{port}"], cwd=ROOT)  # noqa: ASYNC220
+            peer = Child("the grpcio peer", [sys.executable, "-c", PEER, f"127.0.0.1:{port}"], cwd=ROOT)
             try:
                 with trio.fail_after(30):
                     while "bench01" not in cp.streams or "peer" not in cp.streams:
                         await cp.changed.wait()
-                await trio.sleep(2)  # let start-up work settle before the idle window
-                (agent_cpu, agent_rss), (peer_cpu, peer_rss) = await _both(agent.pid, peer.pid)
+                await trio.sleep(size.settle_seconds)  # let start-up work settle before the idle window
+                (agent_cpu, agent_rss), (peer_cpu, peer_rss) = await _both(
+                    agent.pid, peer.pid, size.idle_seconds
+                )
 
                 spawn, report = [], []
                 stream = cp.streams["bench01"]
-                for i in range(ROUNDS):
+                for i in range(size.rounds):
                     shard_id = f"bench-r{i}-s0"
                     spec = schema.StartShard(
                         shard_id=shard_id,
@@ -155,13 +173,13 @@ async def main() -> None:
                     t3, _ = await cp.wait_status(shard_id, schema.ShardState.FAILED, t2)
                     report.append(t3 - t2)
             finally:
-                agent.terminate()
-                peer.terminate()
-                agent.wait(10)
-                peer.wait(10)
+                agent.signal(signal.SIGTERM)
+                peer.signal(signal.SIGTERM)
+                agent.stop()
+                peer.stop()
                 nursery.cancel_scope.cancel()
 
-    print(f"agent idle with heartbeats every 1 s, {IDLE_SECONDS:g} s window")
+    print(f"agent idle with heartbeats every 1 s, {size.idle_seconds:g} s window")
     print(
         f"  llmgw agent      CPU {agent_cpu:5.2f}% of a core   RSS {agent_rss:6.1f} MiB   (targets: < 1%, < 80 MiB)"
     )
@@ -169,18 +187,18 @@ async def main() -> None:
     print(
         f"  ratio            CPU {agent_cpu / max(peer_cpu, 1e-9):5.2f}x             RSS {agent_rss / peer_rss:6.2f}x"
     )
-    print(f"StartShard -> STARTING(pid) at the control plane, {ROUNDS} rounds:")
+    print(f"StartShard -> STARTING(pid) at the control plane, {size.rounds} rounds:")
     print(f"  median {statistics.median(spawn) * 1000:7.1f} ms   max {max(spawn) * 1000:7.1f} ms")
-    print(f"engine kill -9 -> FAILED at the control plane, {ROUNDS} rounds (target < 1 s):")
+    print(f"engine kill -9 -> FAILED at the control plane, {size.rounds} rounds (target < 1 s):")
     print(f"  median {statistics.median(report) * 1000:7.1f} ms   max {max(report) * 1000:7.1f} ms")
 
 
-async def _both(a: int, b: int) -> tuple[tuple[float, float], tuple[float, float]]:
+async def _both(a: int, b: int, seconds: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """Idle figures of two processes over the same window."""
     results: dict[int, tuple[float, float]] = {}
 
     async def run(pid: int) -> None:
-        results[pid] = await measure_idle(pid)
+        results[pid] = await measure_idle(pid, seconds)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run, a)
@@ -188,5 +206,19 @@ async def _both(a: int, b: int) -> tuple[tuple[float, float], tuple[float, float
     return results[a], results[b]
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.agent", description=(__doc__ or "").splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny size (seconds), to check that the benchmark runs"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        print("--quick: a tiny size, to check that the benchmark runs; its figures compare with nothing")
+    trio.run(bench, QUICK if args.quick else Size())
+    return 0
+
+
 if __name__ == "__main__":
-    trio.run(main)
+    raise SystemExit(main())

@@ -10,7 +10,8 @@
 
 Servers run in their own processes (``python -m bench.wire serve KIND``) so that the figures are the
 server's own, not the load generator's. Targets (issue 2): our p50 at most 2x grpcio's; 5,000 streams
-at no more than 50 KiB each.
+at no more than 50 KiB each. ``--quick`` runs it at a tiny size (seconds; figures not comparable),
+so that CI notices a benchmark that no longer runs.
 """
 
 from __future__ import annotations
@@ -21,18 +22,31 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 
+import attrs
 import trio
 
 import schema
+from bench.children import Child
 
-LATENCY_ROUNDS = 3000
-PIPELINE_MESSAGES = 20000
-WARMUP = 300
+#: The longest any one measurement may take before the benchmark gives up on it and says so.
+STEP_TIMEOUT = 300.0
+
+
+@attrs.frozen
+class Size:
+    """How much each part of the benchmark does."""
+
+    latency_rounds: int = 3000
+    pipeline_messages: int = 20000
+    warmup: int = 300
+    streams: int = 5000
+
+
+QUICK = Size(latency_rounds=200, pipeline_messages=1000, warmup=20, streams=100)
 
 
 def _raise_fd_limit() -> None:
@@ -98,27 +112,19 @@ async def _serve_grpcio() -> None:
 
 
 class ServerProcess:
+    """A stream server (``python -m bench.wire serve KIND``) in a process of its own."""
+
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.wire", "serve", kind], stdout=subprocess.PIPE, text=True
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{kind} server exited before reporting its port")
-        self.port = int(line)
+        self.child = Child(f"the {kind} server", [sys.executable, "-m", "bench.wire", "serve", kind])
+        self.proc = self.child.proc
+        self.port = int(self.child.line("its port", 60))
 
     def rss_kib(self) -> int:
         return _rss_kib(self.proc.pid)
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.child.stop()
 
 
 # -- latency and throughput ---------------------------------------------------------------------
@@ -132,34 +138,43 @@ def _summary(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def _latency_ours(port: int) -> dict[str, float]:
+async def _latency_ours(port: int, size: Size) -> dict[str, float]:
+    with trio.fail_after(STEP_TIMEOUT):
+        return await _latency_ours_unbounded(port, size)
+
+
+async def _latency_ours_unbounded(port: int, size: Size) -> dict[str, float]:
     from agent.transport import StreamOptions, open_stream
 
     async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(keepalive_interval=300)) as stream:
         samples = []
-        for i in range(WARMUP + LATENCY_ROUNDS):
+        for i in range(size.warmup + size.latency_rounds):
             t0 = time.perf_counter()
             await stream.send(_heartbeat(i))
             await stream.receive()
-            if i >= WARMUP:
+            if i >= size.warmup:
                 samples.append(time.perf_counter() - t0)
         result = _summary(samples)
         t0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
 
             async def receive_all() -> None:
-                for _ in range(PIPELINE_MESSAGES):
+                for _ in range(size.pipeline_messages):
                     await stream.receive()
 
             nursery.start_soon(receive_all)
-            for i in range(PIPELINE_MESSAGES):
+            for i in range(size.pipeline_messages):
                 await stream.send(_heartbeat(i))
-        result["msgs_per_s"] = PIPELINE_MESSAGES / (time.perf_counter() - t0)
+        result["msgs_per_s"] = size.pipeline_messages / (time.perf_counter() - t0)
         await stream.close_send()
     return result
 
 
-async def _latency_grpcio(port: int) -> dict[str, float]:
+async def _latency_grpcio(port: int, size: Size) -> dict[str, float]:
+    return await asyncio.wait_for(_latency_grpcio_unbounded(port, size), STEP_TIMEOUT)
+
+
+async def _latency_grpcio_unbounded(port: int, size: Size) -> dict[str, float]:
     import grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -168,24 +183,24 @@ async def _latency_grpcio(port: int) -> dict[str, float]:
         )
         call = method()
         samples = []
-        for i in range(WARMUP + LATENCY_ROUNDS):
+        for i in range(size.warmup + size.latency_rounds):
             t0 = time.perf_counter()
             await call.write(_heartbeat(i))
             await call.read()
-            if i >= WARMUP:
+            if i >= size.warmup:
                 samples.append(time.perf_counter() - t0)
         result = _summary(samples)
         t0 = time.perf_counter()
 
         async def receive_all() -> None:
-            for _ in range(PIPELINE_MESSAGES):
+            for _ in range(size.pipeline_messages):
                 await call.read()
 
         reader = asyncio.ensure_future(receive_all())
-        for i in range(PIPELINE_MESSAGES):
+        for i in range(size.pipeline_messages):
             await call.write(_heartbeat(i))
         await reader
-        result["msgs_per_s"] = PIPELINE_MESSAGES / (time.perf_counter() - t0)
+        result["msgs_per_s"] = size.pipeline_messages / (time.perf_counter() - t0)
         await call.done_writing()
     return result
 
@@ -225,25 +240,25 @@ async def _hold_ours(port: int, count: int, ready: trio.Event, release: trio.Eve
     async with trio.open_nursery() as nursery:
         for i in range(count):
             nursery.start_soon(one, i)
-        with trio.fail_after(300):
+        with trio.fail_after(STEP_TIMEOUT):
             await all_open.wait()
         ready.set()
         await release.wait()
     return opened
 
 
-def _hold_in_subprocess(kind: str, port: int, count: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
+def _hold_in_subprocess(kind: str, port: int, count: int) -> Child:
+    load = Child(
+        f"the load process for {kind}",
         [sys.executable, "-m", "bench.wire", "hold", kind, str(port), str(count)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        stdin=True,
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
+    # Its own deadline to open them all is STEP_TIMEOUT; this one is the backstop.
+    line = load.line(f"{count} streams open", STEP_TIMEOUT + 60)
     if line.strip() != "ready":
+        load.stop()
         raise RuntimeError(f"load process for {kind} did not open {count} streams: {line!r}")
-    return proc
+    return load
 
 
 async def _hold_grpcio(port: int, count: int) -> None:
@@ -269,7 +284,7 @@ async def _hold_grpcio(port: int, count: int) -> None:
             await call.write(_heartbeat(i))
             await call.read()
 
-    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), 300)
+    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), STEP_TIMEOUT)
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
@@ -280,11 +295,12 @@ def _idle_streams(kind: str, count: int) -> dict[str, float]:
         time.sleep(0.5)  # let the fresh interpreter settle before the baseline reading
         before = server.rss_kib()
         load = _hold_in_subprocess(kind, server.port, count)
-        after = server.rss_kib()
-        assert load.stdin is not None
-        load.stdin.write("\n")
-        load.stdin.close()
-        load.wait(120)
+        try:
+            after = server.rss_kib()
+            load.write("\n")
+            load.wait(f"closing its {count} streams", 120)
+        finally:
+            load.stop()
         return {
             "streams": count,
             "rss_before_mib": before / 1024,
@@ -304,9 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     hold.add_argument("kind", choices=["ours", "grpcio"])
     hold.add_argument("port", type=int)
     hold.add_argument("count", type=int)
-    parser.add_argument("--streams", type=int, default=5000)
+    parser.add_argument("--streams", type=int, default=None, help="idle streams held (default 5000)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny size (seconds), to check that the benchmark runs"
+    )
     args = parser.parse_args(argv)
+    size = QUICK if args.quick else Size()
+    if args.streams is not None:
+        size = attrs.evolve(size, streams=args.streams)
     _raise_fd_limit()
 
     if args.cmd == "serve":
@@ -335,22 +357,24 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, object] = {}
     ours = ServerProcess("ours")
     try:
-        results["latency_ours"] = trio.run(_latency_ours, ours.port)
+        results["latency_ours"] = trio.run(_latency_ours, ours.port, size)
     finally:
         ours.close()
     peer = ServerProcess("grpcio")
     try:
-        results["latency_grpcio"] = asyncio.run(_latency_grpcio(peer.port))
+        results["latency_grpcio"] = asyncio.run(_latency_grpcio(peer.port, size))
     finally:
         peer.close()
-    results["idle_ours"] = _idle_streams("ours", args.streams)
-    results["idle_grpcio"] = _idle_streams("grpcio", args.streams)
+    results["idle_ours"] = _idle_streams("ours", size.streams)
+    results["idle_grpcio"] = _idle_streams("grpcio", size.streams)
 
     lo, lg = results["latency_ours"], results["latency_grpcio"]
     io, ig = results["idle_ours"], results["idle_grpcio"]
     assert isinstance(lo, dict) and isinstance(lg, dict) and isinstance(io, dict) and isinstance(ig, dict)
     if args.json:
         print(json.dumps(results, indent=2))
+    if args.quick:
+        print("--quick: a tiny size, to check that the benchmark runs; its figures compare with nothing")
     print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}")
     print("round trip, one stream, lock-step      p50 µs    p99 µs   pipelined msg/s")
     print(
@@ -363,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  ratio llmgw/grpcio                 {lo['p50_us'] / lg['p50_us']:8.2f}x {lo['p99_us'] / lg['p99_us']:8.2f}x "
         f"  {lo['msgs_per_s'] / lg['msgs_per_s']:11.2f}x   (target: p50 <= 2x)"
     )
-    print(f"idle streams in one server process ({args.streams} connections, one stream each)")
+    print(f"idle streams in one server process ({size.streams} connections, one stream each)")
     for name, r in (("llmgw", io), ("grpcio", ig)):
         print(
             f"  {name:<8} RSS {r['rss_before_mib']:6.1f} -> {r['rss_after_mib']:6.1f} MiB   "
