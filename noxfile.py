@@ -120,12 +120,23 @@ def proto(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Benchmarks that print ratios against a peer measured in the same run."""
+    """Benchmarks that print ratios against a peer measured in the same run.
+
+    ``nox -s bench -- --quick`` runs each at a tiny size (seconds each; CI runs it so that a benchmark
+    that no longer works fails there), the router's against one peer, vllm-router, only. Other
+    arguments go to bench.wire.
+    """
+    quick = "--quick" in session.posargs
     session.install("-e", ".[test,dev]")
     session.run("python", "-m", "bench.wire", *session.posargs)
-    session.run("python", "-m", "bench.agent")
+    session.run("python", "-m", "bench.agent", *(["--quick"] if quick else []))
     # The router's peers (LiteLLM's proxy, the vLLM project's and SGLang's Rust routers), pinned: a
     # benchmark's peer must not move under it. bench/router.py's PINS names the same versions.
-    session.install("litellm[proxy]==1.106.12", "vllm-router==0.1.17", "sglang-router==0.3.2")
-    session.run("python", "-m", "bench.router")
-    session.run("python", "-m", "bench.control")
+    # --quick compares with vllm-router alone: one wheel, installed in seconds (LiteLLM's proxy
+    # brings a hundred packages); bench/router.py's QUICK_SKIPS skips the other two.
+    if quick:
+        session.install("vllm-router==0.1.17")
+    else:
+        session.install("litellm[proxy]==1.106.12", "vllm-router==0.1.17", "sglang-router==0.3.2")
+    session.run("python", "-m", "bench.router", *(["--quick"] if quick else []))
+    session.run("python", "-m", "bench.control", *(["--quick"] if quick else []))

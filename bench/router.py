@@ -37,6 +37,9 @@ event (they do not depend on who else is busy) and why the top concurrency is ch
 direct run cannot hold the engine's inter-token latency, the machine cannot generate that load,
 and the output says so. The bench's temporary directory (logs, LiteLLM's config) is removed when
 it ends, on an error, Ctrl-C or SIGTERM too.
+
+``--quick`` (CI's ``nox -s bench -- --quick``) runs it at a tiny size against one peer, vllm-router,
+in seconds: its figures compare with nothing, it only shows that the benchmark still runs.
 """
 
 from __future__ import annotations
@@ -236,15 +239,22 @@ def wait_http(p: Proc, path: str, timeout: float, headers: dict[str, str] | None
         time.sleep(0.1)
 
 
-def probe(p: Proc, key: str | None = None) -> None:
+def probe(p: Proc, key: str | None = None, timeout: float = 60) -> None:
     """One short streamed chat request through ``p``: a target that answers /health but cannot
-    relay a stream (an unknown model, a refused key) is not measured."""
+    relay a stream (an unknown model, a refused key) is not measured. Bounded as a whole: a target
+    that trickles bytes for ever is not waited for."""
     headers = {"authorization": f"Bearer {key}"} if key else {}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
+    deadline = time.monotonic() + timeout
+    received = bytearray()
     with httpx.stream(
-        "POST", f"http://127.0.0.1:{p.port}/v1/chat/completions", json=body, headers=headers, timeout=60
+        "POST", f"http://127.0.0.1:{p.port}/v1/chat/completions", json=body, headers=headers, timeout=timeout
     ) as response:
-        text = response.read().decode(errors="replace")
+        for chunk in response.iter_bytes():
+            received += chunk
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a probe request through {p.name} was not over after {timeout:g} s")
+    text = received.decode(errors="replace")
     if response.status_code != 200 or "data: [DONE]" not in text:
         raise RuntimeError(f"a probe request answered {response.status_code}: {text[:300]}")
 
@@ -641,7 +651,10 @@ def measure(port: int, request: bytes, concurrency: int, warmup: float, seconds:
 
 
 @attrs.frozen
-class Target:
+class MeasuredServer:
+    """One server the load is driven against: the engine itself, the bare relay, one of our routers
+    or a peer, with the API key it wants (LiteLLM's master key)."""
+
     name: str
     proc: Proc
     key: str | None = None
@@ -654,6 +667,13 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
+#: ``--quick``: a tiny size (seconds), to check that the benchmark runs (CI). Explicit flags still win.
+QUICK_DEFAULTS = {"concurrency": "1,8", "seconds": 1.0, "warmup": 0.3, "rounds": 1, "min_requests": 5}
+#: ``--quick`` compares with one peer only, vllm-router (one wheel, seconds to install and start, and
+#: the peer the targets name); LiteLLM's proxy brings a hundred packages and takes a minute to start.
+QUICK_SKIPS = ("sglang-router", "litellm")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["relay"]:
@@ -661,6 +681,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(
         prog="python -m bench.router", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny size (seconds) to check that the benchmark runs: concurrency 1,8, 1 s points in "
+        f"one round, and of the peers only vllm-router (skips {', '.join(QUICK_SKIPS)})",
     )
     parser.add_argument("--concurrency", default="1,32,256", help="comma list (default 1,32,256)")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per point")
@@ -692,6 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="skip the router run with its Python relay pump (--skip router-py)",
     )
+    if "--quick" in argv:
+        parser.set_defaults(**QUICK_DEFAULTS)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
@@ -703,12 +731,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     skip |= {"litellm"} if args.no_litellm else set()
     skip |= {"router-py"} if args.no_python_pump else set()
+    if args.quick:
+        skip |= set(QUICK_SKIPS)
 
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-router-"))
     previous = signal.signal(signal.SIGTERM, _terminate)
     procs: list[Proc] = []
     try:
-        run(args, skip, tmp, procs)
+        results = run(args, skip, tmp, procs)
     except KeyboardInterrupt:
         print("bench.router: interrupted; the processes it started are stopped", file=sys.stderr)
         return 130
@@ -717,10 +747,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.stop()
         shutil.rmtree(tmp, ignore_errors=True)
         signal.signal(signal.SIGTERM, previous)
+    if args.quick:
+        # CI's check that the benchmark still works: our routers must have relayed, without errors.
+        broken = [
+            f"{name} at concurrency {c}: {level.requests} requests, {level.errors} errors"
+            for (name, c), level in results.items()
+            if name in ("direct", *OURS) and (level.errors or not level.requests)
+        ]
+        if broken:
+            print("bench.router --quick: FAILED: " + "; ".join(broken), file=sys.stderr)
+            return 1
     return 0
 
 
-def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) -> None:
+def run(
+    args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]
+) -> dict[tuple[str, int], Level]:
+    """Measure every target at every level, print the table and the report; the figures."""
     levels = [int(c) for c in args.concurrency.split(",")]
 
     def window(c: int) -> float:
@@ -747,7 +790,7 @@ def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) 
     wait_http(engine, "/health", 30)
 
     said: list[str] = []  # what each target is, or why it did not run
-    targets = [Target("direct", engine)]
+    targets = [MeasuredServer("direct", engine)]
     if "relay" not in skip:
         relay_port = free_port()
         floor = start(
@@ -755,7 +798,7 @@ def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) 
             dict(os.environ), tmp, relay_port, procs=procs,
         )  # fmt: skip
         wait_http(floor, "/health", 30)
-        targets.append(Target("relay", floor))
+        targets.append(MeasuredServer("relay", floor))
     ours = [("router", (), dict(os.environ)), ("router-c0", ("--relay-coalesce-us", "0"), dict(os.environ))]
     ours.append(("router-py", (), {**os.environ, "LLMGW_RELAY": "python"}))
     for name, extra, ours_env in ours:
@@ -766,25 +809,27 @@ def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) 
             raise RuntimeError(f"our router did not start, nothing to measure: {what}")
         said.append(what)
         if proc is not None:
-            targets.append(Target(name, proc))
+            targets.append(MeasuredServer(name, proc))
     for peer in RUST_PEERS:
         if peer.name in skip:
-            said.append(f"{peer.name} skipped (--skip)")
+            said.append(f"{peer.name} skipped ({'--quick' if args.quick else '--skip'})")
             continue
         proc, what = start_rust_peer(peer, tmp, engine_port, procs)
         said.append(what)
         if proc is not None:
-            targets.append(Target(peer.name, proc))
+            targets.append(MeasuredServer(peer.name, proc))
     if "litellm" in skip:
-        said.append("litellm skipped (--skip litellm)")
+        said.append(f"litellm skipped ({'--quick' if args.quick else '--skip litellm'})")
     else:
         key = "sk-" + secrets.token_hex(32)
         proc, what = start_litellm(tmp, engine_port, key, procs)
         said.append(what)
         if proc is not None:
-            targets.append(Target("litellm", proc, key))
+            targets.append(MeasuredServer("litellm", proc, key))
 
     longer = ", ".join(f"{window(c):.0f} s at concurrency {c}" for c in levels if window(c) > args.seconds)
+    if args.quick:
+        print("--quick: a tiny size, to check that the benchmark runs; its figures compare with nothing")
     print(
         f"router bench: one sim engine, {TOKENS} tokens per streamed chat request, ITL {args.itl_ms:g} ms, "
         f"TTFT {args.ttft_ms:g} ms; {args.seconds:g} s per point ({longer or 'none longer'}) "
@@ -870,6 +915,7 @@ def run(args: argparse.Namespace, skip: set[str], tmp: Path, procs: list[Proc]) 
     for note in notes:
         print("NOTE " + note)
     report(results, levels, [t.name for t in targets])
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
