@@ -5,6 +5,11 @@ sends the head and one SSE event of a stream and then stalls. The healthy replic
 a real ``sim`` engine, and the client is the real ``openai`` client (in a worker thread). Every
 test runs once per relay pump (``relay_kind``): the pump relays the streamed body, so the timeouts
 must hold for both. Every wait polls with a deadline or is bounded by ``trio.fail_after``.
+
+The response timeout is judged on trio's clock (``Router.clock``), so where the engine, router and
+client all run in this process, its default of minutes is tested under trio's ``MockClock`` in a
+fraction of a second. The stream idle timeout is judged from the kernel's own silence counter of
+each engine socket (``router.stalls.tcp_progress``), in real time, and so are the tests of it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import control.config
 from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_score
 from router.routes import ModelRoutes, Upstream
 from router.server import Router
-from router.stalls import stall
+from router.stalls import DEFAULT_RESPONSE_TIMEOUT, stall, tcp_progress
 from tests.test_router import (
     MODEL,
     REPO,
@@ -185,6 +190,40 @@ async def test_a_silent_engine_is_a_504_within_the_timeout_and_the_next_request_
     assert sample(text_metrics, "llmgw_router_in_flight", replica="sim-model-r0") == 0
 
 
+async def test_the_default_response_timeout_on_trios_clock(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The default response timeout (minutes) cuts off a silent engine at that figure on the
+    router's clock, tested in virtual time: the stand-in, the router and the client are all in this
+    process on trio's clock, which jumps to the next deadline whenever every task waits (bytes sent
+    on loopback are already in the peer's queue by then, so no wait for one is skipped)."""
+    silent = await stand_in(nursery, None)
+    router = Router(lambda: {MODEL: ModelRoutes((Upstream("sim-model-r0", silent.url),))})
+    assert router.response_timeout == DEFAULT_RESPONSE_TIMEOUT
+    base = await serve(nursery, router)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello?"}]}).encode()
+    started = trio.current_time()
+    stream = await trio.open_tcp_stream("127.0.0.1", int(base.rsplit(":", 1)[1]))
+    await stream.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    received = b""
+    with trio.fail_after(DEFAULT_RESPONSE_TIMEOUT + 60):  # virtual seconds
+        while b"upstream_response_timeout" not in received:
+            data = await stream.receive_some(65536)
+            assert data, f"the router closed the connection: {received!r}"
+            received += data
+    waited = trio.current_time() - started
+    await stream.aclose()
+    assert received.startswith(b"HTTP/1.1 504 "), received
+    # Within a tick of the stall watch (a second at most) after the timeout, and not before it.
+    assert DEFAULT_RESPONSE_TIMEOUT <= waited <= DEFAULT_RESPONSE_TIMEOUT + router.stall_tick + 0.5, waited
+    assert b"router_response_timeout %g s" % DEFAULT_RESPONSE_TIMEOUT in received
+    assert len(silent.requests) == 1 and json.loads(silent.requests[0])["messages"][0]["content"] == "hello?"
+    await apoll("the router to close the silent engine's connection", lambda: silent.closed_by_router == 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # An engine that stalls mid-stream
 
@@ -280,9 +319,18 @@ async def test_a_client_that_does_not_read_is_not_an_engine_stall(
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
         await apoll("the stream to wait for its slow client", lambda: router.pump.stats() == (1, 1))
-        # Not waiting for an event here: the stream stays blocked for ten idle timeouts, and the
-        # stall watch (which looks every 30 ms at this timeout) must leave it alone.
-        await trio.sleep(3.0)
+        # The engine's socket, as the stall watch sees it: silent (the router does not read it
+        # while the client does not) for five idle timeouts by the kernel's count, which is what
+        # the watch judges by, looking every 30 ms; it must have left the stream alone throughout.
+        (watch,) = router._watches
+
+        def quiet() -> float:
+            assert watch.sock is not None
+            progress = tcp_progress(watch.sock)
+            return progress[1] if progress is not None else 0.0
+
+        await apoll("the engine's socket to be silent for five idle timeouts", lambda: quiet() >= 1.5)
+        assert not watch.fired and router.pump.stats() == (1, 1)
         received = b""
         with trio.fail_after(30):
             while not received.endswith(b"\r\n0\r\n\r\n"):

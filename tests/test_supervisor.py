@@ -364,37 +364,52 @@ async def test_two_starts_for_one_id_while_spawning_make_one_engine(sup: Supervi
 
 async def test_start_does_its_file_work_off_the_event_loop(sup: Supervisor) -> None:
     """The log file is a FIFO here: opening it blocks until a reader comes. Done on trio's thread,
-    that would freeze every task (heartbeats included); in a worker thread, the loop keeps running."""
+    that would freeze every task (heartbeats included); in a worker thread, the loop keeps running.
+
+    The reader is opened by a task on the loop once it has ticked 20 times while the start waits:
+    a loop that could do so was not blocked. Should the loop be blocked, a watchdog thread opens it
+    after 10 s instead, so that the test fails saying so rather than hanging."""
     spec = sim_spec("fifo-s0", free_port())
     fifo = sup.log_dir / "fifo-s0.log"
     os.mkfifo(fifo)
     ticks = 0
+    lock = threading.Lock()
     opened = threading.Event()
+    opened_by: list[str] = []
     reader: list[int] = []
 
-    def open_reader_later() -> None:
-        # Bounded either way: if the loop were blocked, this thread still unblocks it.
-        time.sleep(1.5)
-        reader.append(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
-        opened.set()
+    def open_reader(by: str) -> None:
+        with lock:
+            if not opened.is_set():
+                # O_NONBLOCK: opening a FIFO's read end this way never waits for a writer.
+                reader.append(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+                opened_by.append(by)
+                opened.set()
+
+    def watchdog() -> None:
+        if not opened.wait(10):  # a bounded wait for the loop, not a sleep
+            open_reader("the watchdog thread")
 
     async def tick() -> None:
         nonlocal ticks
         while not opened.is_set():
             ticks += 1
+            if ticks == 20:
+                open_reader("the event loop")
             await trio.sleep(0.01)
 
-    thread = threading.Thread(target=open_reader_later, daemon=True)
+    thread = threading.Thread(target=watchdog, daemon=True)
     thread.start()
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(tick)
             shard = await sup.start(spec)
-        assert ticks >= 20, (
+        assert opened_by == ["the event loop"], (
             f"the event loop stood still while the start waited on its log file ({ticks} ticks)"
         )
         assert shard.pid > 0
     finally:
+        opened.set()
         thread.join()
         for fd in reader:
             os.close(fd)
