@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from control.config import ControlConfig
     from control.plane import ControlPlane
+    from telemetry.logs import LogSettings
 
 log = logging.getLogger("llmgw.control")
 
@@ -76,7 +77,9 @@ async def _reload(plane: ControlPlane, path: Path, lock: trio.Lock) -> None:
         await plane.reload_config(config)
 
 
-async def _serve(plane: ControlPlane, config_path: Path | None = None) -> None:
+async def _serve(
+    plane: ControlPlane, config_path: Path | None = None, logs: LogSettings | None = None
+) -> None:
     """Run until SIGTERM or SIGINT, then stop in order and return (the process exits 0).
 
     Stopping is bounded and keeps what a restart needs: cancelling ``plane.run`` makes its agent
@@ -87,18 +90,30 @@ async def _serve(plane: ControlPlane, config_path: Path | None = None) -> None:
     """
     import trio
 
+    from telemetry.logs import LogSettings, announce
+
+    logs = logs if logs is not None else LogSettings()
     reloading = trio.Lock()
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             await nursery.start(plane.run)
             if plane.config.runs_control_plane:
-                print(
+                announce(
+                    logs,
+                    "llmgw.control",
                     f"llmgw control plane ready: agents :{plane.agent_port} api :{plane.api_port} "
                     f"router :{plane.router_port or '-'}",
-                    flush=True,
+                    agents_port=plane.agent_port,
+                    api_port=plane.api_port,
+                    router_port=plane.router_port or None,
                 )
             else:
-                print(f"llmgw router ready (router-only run): router :{plane.router_port}", flush=True)
+                announce(
+                    logs,
+                    "llmgw.control",
+                    f"llmgw router ready (router-only run): router :{plane.router_port}",
+                    router_port=plane.router_port,
+                )
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     if config_path is not None:
@@ -153,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_log_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        setup_logging(log_settings(args.log_format, args.log_level))
+        logs = log_settings(args.log_format, args.log_level)
+        setup_logging(logs)
     except LogSettingsError as exc:
         print(f"llmgw-control: {exc}", file=sys.stderr)
         return 2
@@ -170,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tune_gc()
     try:
-        trio.run(_serve, ControlPlane(config), args.config)
+        trio.run(_serve, ControlPlane(config), args.config, logs)
     except (OSError, ExceptionGroup) as exc:
         # The ports were free a moment ago (startup_problems); one taken since is still one line.
         lost = _bind_errors(exc)

@@ -21,7 +21,7 @@ import trio
 from router.config import ConfigError, RouterConfig, load
 from router.routes import ModelRoutes, RoutesFn, static_routes
 from router.server import Router
-from telemetry.logs import setup_logging
+from telemetry.logs import announce, setup_logging
 from telemetry.version import version
 
 log = logging.getLogger("llmgw.router")
@@ -53,10 +53,15 @@ async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.
             )
         )
         source = f"routes from {config.control}" if config.control else f"{len(config.static)} static routes"
-        print(
+        announce(
+            config.log_settings,
+            "llmgw.router",
             f"llmgw router listening on {config.host}:{port} (pid {os.getpid()}, "
             f"{router.pump.kind} relay pump, {source})",
-            flush=True,
+            host=config.host,
+            port=port,
+            pid=os.getpid(),
+            relay_pump=router.pump.kind,
         )
         task_status.started(port)
 

@@ -7,6 +7,10 @@ prose: ``time`` (RFC 3339, UTC, milliseconds), ``level``, ``logger``, ``message`
 traceback text, when there is one) and every ``extra=`` field the call passed. Escaping is
 ``json.dumps``'s, so a peer-supplied string holding a newline or a quote cannot forge a second
 record or break the line.
+
+A process's ready or listening line (what people, scripts and tests wait for) goes to stdout through
+:func:`announce`: in text mode the plain line, as it always was; in json mode a record like every
+other line of the process, so a log shipper reading both streams never meets a line it cannot parse.
 """
 
 from __future__ import annotations
@@ -125,3 +129,22 @@ def setup_logging(settings: LogSettings, stream: TextIO | None = None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if settings.format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=settings.level_number, handlers=[handler], force=True)
+
+
+def announce(
+    settings: LogSettings, logger: str, message: str, stream: TextIO | None = None, **fields: object
+) -> None:
+    """Write a process's ready or listening line to ``stream`` (stdout) at once.
+
+    Text mode writes ``message`` as it is (scripts and tests match its words). JSON mode writes a
+    record as :class:`JsonFormatter` does (``logger`` names it, level info), ``message`` the same
+    words, and ``fields`` beside it (ports, pid), so that a reader need not parse the message."""
+    if settings.format == "json":
+        record = logging.LogRecord(logger, logging.INFO, "", 0, message, None, None)
+        record.__dict__.update(fields)
+        line = JsonFormatter().format(record)
+    else:
+        line = message
+    out = stream or sys.stdout
+    out.write(line + "\n")
+    out.flush()

@@ -65,7 +65,8 @@ class ControlProcess:
                 )
             # Only this start's announcement counts, not an earlier run's in the same log.
             for line in reversed(self.log.read_bytes()[offset:].decode().splitlines()):
-                m = re.match(r"llmgw control plane ready: agents :(\d+) api :(\d+) router :(\d+|-)", line)
+                # search, not match: with --log-format json the line is a JSON record holding these words.
+                m = re.search(r"llmgw control plane ready: agents :(\d+) api :(\d+) router :(\d+|-)", line)
                 if m:
                     self.router_port = int(m.group(3)) if m.group(3) != "-" else 0
                     return int(m.group(1)), int(m.group(2))
