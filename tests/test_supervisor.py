@@ -366,9 +366,11 @@ async def test_start_does_its_file_work_off_the_event_loop(sup: Supervisor) -> N
     """The log file is a FIFO here: opening it blocks until a reader comes. Done on trio's thread,
     that would freeze every task (heartbeats included); in a worker thread, the loop keeps running.
 
-    The reader is opened by a task on the loop once it has ticked 20 times while the start waits:
-    a loop that could do so was not blocked. Should the loop be blocked, a watchdog thread opens it
-    after 10 s instead, so that the test fails saying so rather than hanging."""
+    The reader is opened by a task on the loop once a thread of this process is seen waiting in the
+    FIFO's open (the kernel's wait_for_partner, in /proc/self/task/*/wchan; after 200 ticks where
+    the kernel does not say): a loop that can still look was not blocked by the start. Should the
+    loop be blocked, a watchdog thread opens the reader after 10 s instead, so that the test fails
+    saying so rather than hanging."""
     spec = sim_spec("fifo-s0", free_port())
     fifo = sup.log_dir / "fifo-s0.log"
     os.mkfifo(fifo)
@@ -390,11 +392,20 @@ async def test_start_does_its_file_work_off_the_event_loop(sup: Supervisor) -> N
         if not opened.wait(10):  # a bounded wait for the loop, not a sleep
             open_reader("the watchdog thread")
 
+    def a_thread_waits_on_the_fifo() -> bool:
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                if (task / "wchan").read_text().strip() == "wait_for_partner":
+                    return True
+            except OSError:  # the thread ended meanwhile
+                continue
+        return False
+
     async def tick() -> None:
         nonlocal ticks
         while not opened.is_set():
             ticks += 1
-            if ticks == 20:
+            if ticks >= 200 or a_thread_waits_on_the_fifo():
                 open_reader("the event loop")
             await trio.sleep(0.01)
 
