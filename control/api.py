@@ -23,7 +23,8 @@ of a ``ControlView`` (what the plane knows at one instant), and the writes go th
     DELETE /api/models/MODEL        drain and stop MODEL's replicas, then forget it (409 for a model
                                     llmgw.toml defines, or one being deleted for a scale or apply)
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons
-    GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log, fetched from its agent
+    GET  /api/logs/SHARD?lines=N    the tail of the shard's engine log (N from 1 to 10,000, default
+                                    100), fetched from its agent
                                     (&previous=1: the run before its last restart; &after=OFFSET:
                                     the lines past a reply's offset, for ctl logs -f)
     POST /api/cordon/NODE           NODE takes no new replicas; what runs there stays
@@ -36,11 +37,17 @@ of a ``ControlView`` (what the plane knows at one instant), and the writes go th
     GET  /                          the fleet page for a browser (``control.page``: how it authenticates)
     GET  /fleet                     the page's live part, an HTML fragment its script fetches every 2 s
     GET  /metrics                   the fleet's Prometheus metrics (``control.fleetmetrics``)
+    GET  /healthz                   {"ok": true}: the process answers (no token needed)
 
 Cordons and drains are written to the state file before the answer, so they survive a restart.
 
-Who may ask (``ApiGuard``): a bearer token from ``[api]`` in llmgw.toml, ``read_tokens`` for every
-GET and ``admin_tokens`` for writes too (and for GETs that hand out a secret: ``ADMIN_READS``).
+The routes are one table, ``ROUTES``: each route's method, path, role and query parameters with
+its handler. A path no route has is 404, a method its path lacks 405 with ``Allow``, and a query
+parameter a route does not take, or out of its range, 400 naming it and what was expected.
+
+Who may ask (``ApiGuard``): a bearer token from ``[api]`` in llmgw.toml, ``read_tokens`` for the
+routes whose role is read (every GET) and ``admin_tokens`` for those too and the admin routes (every
+write, and ``GET /api/token``, which hands out a secret).
 With no token configured the API answers loopback clients only, and warns at start. Requests with
 an ``Origin`` or a foreign ``Host`` are refused (403), and a write needs ``Content-Type:
 application/json`` (415). ``[api.tls]`` serves HTTPS, with client certificates from its
@@ -49,12 +56,13 @@ application/json`` (415). ``[api.tls]`` serves HTTPS, with client certificates f
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -70,6 +78,7 @@ from control.config import AdminApi, ConfigError, parse_models
 from control.events import Event
 from control.fleet import LIVE_SHARD_STATES, Node
 from control.fleetmetrics import FleetMetrics
+from control.notfound import unknown_model, unknown_node
 from control.placement import model_name_of
 from control.query import CatalogConflict, Change, ControlQuery, ControlView, DrainRefused, engine_views
 from control.transport import ServerTLS
@@ -242,9 +251,7 @@ def replicas_doc(view: ControlView) -> list[dict[str, Any]]:
 
 def why_doc(view: ControlView, model: str) -> dict[str, Any]:
     if model not in view.models:
-        raise ApiError(
-            404, f"no model {model!r} in the catalog; models: {', '.join(sorted(view.models)) or 'none'}"
-        )
+        raise ApiError(404, unknown_model(model, view.models))
     cfg = view.models[model]
     placed = [r for r in replicas_doc(view) if r["model"] == model]
     unplaced = [
@@ -430,7 +437,7 @@ def node_doc(view: ControlView, node_id: str) -> dict[str, Any]:
     it, and its recent events (liveness, operators' decisions, its shards' states and commands)."""
     node = view.nodes.get(node_id)
     if node is None:
-        raise ApiError(404, f"no node {node_id!r}; known: {', '.join(sorted(view.nodes)) or 'none'}")
+        raise ApiError(404, unknown_node(node_id, view.nodes))
     used: dict[str, set[int]] = {}
     holders: dict[int, list[str]] = {}
     for replica in view.placements:
@@ -488,7 +495,7 @@ def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
     """What still runs on a node being drained, and where each replica's replacement stands."""
     node = view.nodes.get(node_id)
     if node is None:
-        raise ApiError(404, f"no node {node_id!r}; known: {', '.join(sorted(view.nodes)) or 'none'}")
+        raise ApiError(404, unknown_node(node_id, view.nodes))
     shards = []
     for st in sorted(node.shards.values(), key=lambda s: s.shard_id):
         if st.state not in LIVE_SHARD_STATES:
@@ -555,24 +562,11 @@ async def logs_doc(
 
 # -- who may ask: tokens, roles, Host, Origin, content type ---------------------------------------
 
-#: The two roles: ``read`` may GET, ``admin`` may also write.
+#: The two roles: ``read`` may GET, ``admin`` may also write (each route says which it needs).
 READ = "read"
 ADMIN = "admin"
-#: GET routes that hand out a secret, and so need the admin role: ``/api/token`` (the join token).
-ADMIN_READS = frozenset({("api", "token")})
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
-
-
-def required_role(method: str, parts: list[str]) -> str | None:
-    """The role a request needs: None for ``/healthz`` (it says only that the process answers) and
-    for ``GET /`` (the fleet page holds data only for a request that may read: ``control.page``),
-    ``read`` for a GET or HEAD, ``admin`` for every write and for GETs in ``ADMIN_READS``."""
-    if parts == ["healthz"] or (parts == [] and method == "GET"):
-        return None
-    if method in ("GET", "HEAD") and tuple(parts[:2]) not in ADMIN_READS:
-        return READ
-    return ADMIN
 
 
 def _is_loopback(address: str) -> bool:
@@ -660,8 +654,12 @@ class ApiGuard:
         name = name.rstrip(".")
         return name in self.hosts or (self.any_ip and _is_ip(name))
 
-    def check(self, method: str, parts: list[str], headers: dict[bytes, bytes], client: str | None) -> None:
-        """Raise ``ApiError`` (401, 403, 415) unless the request may be answered."""
+    def check(
+        self, method: str, path: str, needed: str | None, headers: dict[bytes, bytes], client: str | None
+    ) -> str | None:
+        """Raise ``ApiError`` (401, 403, 415) unless the request may be answered with the role
+        ``needed`` (its route's); return the role the requester holds (None for a public route
+        asked without credentials)."""
         origin = headers.get(b"origin")
         fetch_site = headers.get(b"sec-fetch-site", b"none").decode(errors="replace").lower()
         if origin is not None or fetch_site not in ("none", "same-origin"):
@@ -682,24 +680,16 @@ class ApiGuard:
                 f"Host {host[:100]!r} is not this admin API's address (port {self.port}); use its listen "
                 "address, localhost, or add the name to [api] hosts in llmgw.toml",
             )
-        needed = required_role(method, parts)
         if needed is None:
-            return
-        if not self.has_tokens:
-            if client is None or not _is_loopback(client):
-                raise ApiError(
-                    403,
-                    "the admin API answers only this machine while no tokens are configured; set "
-                    "[api] read_tokens / admin_tokens in llmgw.toml and use ctl with LLMGW_API_TOKEN "
-                    "or --token-file",
-                )
-            role = ADMIN
-        else:
-            role = self._role(headers.get(b"authorization", b""))
+            try:  # a public route: whether the requester could read says what it is shown
+                return self.role(headers, client)
+            except ApiError:
+                return None
+        role = self.role(headers, client)
         if needed == ADMIN and role != ADMIN:
             raise ApiError(
                 403,
-                f"{method} /{'/'.join(parts)} needs an admin token; this one may only read "
+                f"{method} {path[:200]} needs an admin token; this one may only read "
                 "([api] admin_tokens in llmgw.toml)",
             )
         if needed == ADMIN and method not in ("GET", "HEAD"):
@@ -709,6 +699,20 @@ class ApiGuard:
                     415,
                     f"a write needs Content-Type: application/json, got {ctype.decode(errors='replace')[:100]!r}",
                 )
+        return role
+
+    def role(self, headers: dict[bytes, bytes], client: str | None) -> str:
+        """The role the request's credentials give (``ApiError`` 401/403 when they give none)."""
+        if not self.has_tokens:
+            if client is None or not _is_loopback(client):
+                raise ApiError(
+                    403,
+                    "the admin API answers only this machine while no tokens are configured; set "
+                    "[api] read_tokens / admin_tokens in llmgw.toml and use ctl with LLMGW_API_TOKEN "
+                    "or --token-file",
+                )
+            return ADMIN
+        return self._role(headers.get(b"authorization", b""))
 
     def _role(self, authorization: bytes) -> str:
         scheme, _, token = authorization.partition(b" ")
@@ -732,13 +736,319 @@ class ApiGuard:
         raise ApiError(401, "unknown admin API token; check LLMGW_API_TOKEN or --token-file")
 
 
+# -- the route table: each route's method, path, role, query parameters and handler ---------------
+
+#: The most lines ``GET /api/logs/SHARD`` gives (what the agent reads at most, too).
+MAX_LOG_LINES = 10_000
+#: The largest log offset a follower may send (the wire's ``after`` is a uint64; a file is smaller).
+MAX_LOG_OFFSET = (1 << 63) - 1
+
+
+@attrs.frozen
+class Param:
+    """One query parameter a route takes: a whole number in ``low..high`` or a flag (``1``/``0``,
+    ``true``/``false``, ``yes``/``no``; given bare, ``?force``, it means yes). ``default`` is what an
+    absent one means (None: absent stays None)."""
+
+    name: str
+    flag: bool = False
+    low: int = 0
+    high: int = 0
+    default: int | bool | None = None
+
+    def parse(self, values: list[str]) -> int | bool | None:
+        """The value, or ``ApiError`` 400 saying what was expected and what came."""
+        if not values:
+            return self.default
+        if len(values) > 1:
+            raise ApiError(400, f"query parameter {self.name} is given {len(values)} times; give it once")
+        text = values[0]
+        shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
+        if self.flag:
+            word = text.strip().lower()
+            if word in ("", "1", "true", "yes"):
+                return True
+            if word in ("0", "false", "no"):
+                return False
+            raise ApiError(400, f"{self.name} must be 1 or 0 (true or false), got {shown}")
+        # int() takes " 12", "1_000" and "+5": the API takes plain digits only.
+        if not text.isascii() or not text.isdigit() or not self.low <= int(text) <= self.high:
+            raise ApiError(
+                400, f"{self.name} must be a whole number from {self.low} to {self.high}, got {shown}"
+            )
+        return int(text)
+
+
+@attrs.frozen
+class Request:
+    """What a handler gets: the control plane's query interface, the path's parameters in order
+    (``/api/nodes/{node}`` gives one), the checked query parameters, the role the requester holds
+    (None on a public route asked without credentials), the request's body and headers, and the
+    control plane's metrics registry."""
+
+    query: ControlQuery
+    args: tuple[str, ...]
+    params: Mapping[str, int | bool | None]
+    role: str | None
+    receive: Receive
+    headers: Mapping[bytes, bytes]
+    metrics: FleetMetrics
+    #: Whether the API has tokens configured (the page then shows its token form).
+    tokens: bool = False
+
+    async def json_body(self) -> Any:
+        return await read_json_body(self.receive)
+
+
+@attrs.frozen
+class Raw:
+    """An answer that is not JSON (the page, the metrics): its bytes, content type and headers."""
+
+    data: bytes
+    content_type: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+Handler = Callable[[Request], Awaitable[Any]]
+
+
+@attrs.frozen
+class Route:
+    """One route: ``path`` is the URL path with ``{name}`` for a segment that is a parameter;
+    ``role`` is what the requester needs (``READ``, ``ADMIN``, or None for the two public routes:
+    ``/healthz`` says only that the process answers, and ``/`` holds fleet data only for a request
+    that may read: ``control.page``). Every route is checked by ``ApiGuard`` with its own role, so
+    a new route cannot skip authentication."""
+
+    method: str
+    path: str
+    role: str | None
+    handler: Handler
+    params: tuple[Param, ...] = ()
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        return tuple(p for p in self.path.split("/") if p)
+
+    def match(self, parts: list[str]) -> tuple[str, ...] | None:
+        """The path's parameters when ``parts`` is this route's path, else None."""
+        mine = self.segments
+        if len(mine) != len(parts):
+            return None
+        args = []
+        for want, got in zip(mine, parts, strict=True):
+            if want.startswith("{"):
+                args.append(got)
+            elif want != got:
+                return None
+        return tuple(args)
+
+    def parse_params(self, given: Mapping[str, list[str]]) -> dict[str, int | bool | None]:
+        """Every query parameter checked: one this route does not take is 400 naming those it does."""
+        known = {p.name: p for p in self.params}
+        for name in given:
+            if name not in known:
+                takes = ", ".join(known) if known else "none"
+                raise ApiError(
+                    400,
+                    f"{self.method} {self.path} takes no query parameter {name[:40]!r} (it takes: {takes})",
+                )
+        return {p.name: p.parse(given.get(p.name, [])) for p in self.params}
+
+
+async def _healthz(req: Request) -> Any:
+    return {"ok": True}
+
+
+async def _page(req: Request) -> Raw:
+    # The fleet's data only for a request that may read it (see control.page).
+    shown = await _fleet_html(req.query.view()) if req.role is not None else None
+    return Raw(page.page_html(shown, tokens=req.tokens), page.CONTENT_TYPE, tuple(page.HEADERS))
+
+
+async def _fleet(req: Request) -> Raw:
+    return Raw((await _fleet_html(req.query.view())).encode(), page.CONTENT_TYPE, tuple(page.HEADERS))
+
+
+async def _metrics(req: Request) -> Raw:
+    accept = req.headers.get(b"accept", b"").decode(errors="replace")
+    data, ctype = await req.metrics.scrape(req.query.view(), accept)
+    return Raw(data, ctype.encode())
+
+
+async def _nodes(req: Request) -> Any:
+    return nodes_doc(req.query.view())
+
+
+async def _node(req: Request) -> Any:
+    return node_doc(req.query.view(), req.args[0])
+
+
+async def _replicas(req: Request) -> Any:
+    return replicas_doc(req.query.view())
+
+
+async def _models(req: Request) -> Any:
+    return models_doc(req.query.view())
+
+
+async def _model(req: Request) -> Any:
+    return model_doc(req.query.view(), req.args[0])
+
+
+async def _apply(req: Request) -> Any:
+    return await apply_models(req.query, await req.json_body())
+
+
+async def _scale(req: Request) -> Any:
+    return await scale_model(req.query, req.args[0], await req.json_body())
+
+
+async def _delete(req: Request) -> Any:
+    return await delete_model(req.query, req.args[0])
+
+
+async def _why(req: Request) -> Any:
+    return why_doc(req.query.view(), req.args[0])
+
+
+async def _logs(req: Request) -> Any:
+    after = req.params["after"]
+    return await logs_doc(
+        req.query,
+        req.args[0],
+        int(req.params["lines"] or 0),
+        previous=bool(req.params["previous"]),
+        after=None if after is None else int(after),
+    )
+
+
+async def _drain(req: Request) -> Any:
+    node_id, force = req.args[0], bool(req.params["force"])
+    try:
+        moves = await req.query.drain(node_id, force=force)
+    except KeyError as exc:
+        raise ApiError(404, str(exc.args[0])) from exc
+    except DrainRefused as exc:
+        raise ApiError(409, str(exc)) from exc
+    return {"node_id": node_id, "draining": True, "forced": force, "moves": moves}
+
+
+async def _drain_progress(req: Request) -> Any:
+    return drain_doc(req.query.view(), req.args[0])
+
+
+async def _cordon(req: Request) -> Any:
+    try:
+        mark = await req.query.cordon(req.args[0])
+    except KeyError as exc:
+        raise ApiError(404, str(exc.args[0])) from exc
+    return {"node_id": req.args[0], "cordon": mark.value}
+
+
+async def _uncordon(req: Request) -> Any:
+    try:
+        undone = await req.query.uncordon(req.args[0])
+    except KeyError as exc:
+        raise ApiError(404, str(exc.args[0])) from exc
+    return {"node_id": req.args[0], "undone": undone.value if undone else ""}
+
+
+async def _token(req: Request) -> Any:
+    joins = req.query.joins()
+    if joins is None:
+        raise ApiError(503, "the join token is not loaded yet; try again in a moment")
+    return {"token": joins.join_token(), "file": str(joins.token_path)}
+
+
+async def _reset(req: Request) -> Any:
+    joins = req.query.joins()
+    if joins is None:
+        raise ApiError(503, "the node credentials are not loaded yet; try again in a moment")
+    node_id = req.args[0]
+    forgotten = await joins.reset(node_id)
+    if forgotten:
+        log.info("node %r: credential forgotten by an admin; it joins again with the join token", node_id)
+    return {"node_id": node_id, "forgotten": forgotten}
+
+
+_FLAG = functools.partial(Param, flag=True, default=False)
+
+#: Every route of the admin API (the module docstring says what each answers). Reads need ``READ``,
+#: writes ``ADMIN``, and so does ``GET /api/token``: it hands out a secret.
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/healthz", None, _healthz),
+    Route("GET", "/", None, _page),
+    Route("GET", "/fleet", READ, _fleet),
+    Route("GET", "/metrics", READ, _metrics),
+    Route("GET", "/api/nodes", READ, _nodes),
+    Route("GET", "/api/nodes/{node}", READ, _node),
+    Route("GET", "/api/replicas", READ, _replicas),
+    Route("GET", "/api/models", READ, _models),
+    Route("POST", "/api/models", ADMIN, _apply),
+    Route("GET", "/api/models/{model}", READ, _model),
+    Route("DELETE", "/api/models/{model}", ADMIN, _delete),
+    Route("PUT", "/api/models/{model}/replicas", ADMIN, _scale),
+    Route("POST", "/api/models/{model}/scale", ADMIN, _scale),
+    Route("GET", "/api/why/{model}", READ, _why),
+    Route(
+        "GET",
+        "/api/logs/{shard}",
+        READ,
+        _logs,
+        (
+            Param("lines", low=1, high=MAX_LOG_LINES, default=100),
+            _FLAG("previous"),
+            Param("after", low=0, high=MAX_LOG_OFFSET),
+        ),
+    ),
+    Route("POST", "/api/drain/{node}", ADMIN, _drain, (_FLAG("force"),)),
+    Route("GET", "/api/drain/{node}", READ, _drain_progress),
+    Route("POST", "/api/cordon/{node}", ADMIN, _cordon),
+    Route("POST", "/api/uncordon/{node}", ADMIN, _uncordon),
+    Route("GET", "/api/token", ADMIN, _token),
+    Route("POST", "/api/reset/{node}", ADMIN, _reset),
+)
+
+
+def find_route(routes: Sequence[Route], method: str, parts: list[str]) -> tuple[Route, tuple[str, ...]]:
+    """The route for ``method`` and the path ``parts``, with the path's parameters (every GET route
+    answers HEAD too); ``ApiError`` 404 when no route has the path, 405 (with the methods it has)
+    when none has the method."""
+    allowed: list[str] = []
+    for route in routes:
+        args = route.match(parts)
+        if args is None:
+            continue
+        # HEAD is GET without the body (a load balancer's health check sends it).
+        if route.method == method or (route.method == "GET" and method == "HEAD"):
+            return route, args
+        allowed += ["GET", "HEAD"] if route.method == "GET" else [route.method]
+    path = "/" + "/".join(parts)
+    if allowed:
+        raise MethodNotAllowed(allowed, f"{method[:20]} {path[:200]}: this path takes {', '.join(allowed)}")
+    raise ApiError(404, f"no route {method[:20]} {path[:200]}")
+
+
+class MethodNotAllowed(ApiError):
+    """405: the path exists, with other methods (sent in ``Allow``)."""
+
+    def __init__(self, allowed: list[str], message: str) -> None:
+        super().__init__(405, message)
+        self.allowed = allowed
+
+
 def make_app(
     query: ControlQuery, guard: ApiGuard, metrics: FleetMetrics | None = None
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The admin API as an ASGI app over ``query``; ``guard`` decides who may ask (``serve_api``
     builds it from the config and sets its port once bound); ``metrics`` is the control plane's
-    registry for ``/metrics`` (without one, the fleet's gauges and the process metrics only)."""
-    checked = guard
+    registry for ``/metrics`` (without one, the fleet's gauges and the process metrics only).
+
+    A request is matched against ``ROUTES`` (404 for no such path, 405 with ``Allow`` for a path
+    with other methods), checked by the guard with its route's role (a path that matches nothing
+    needs the read role before it is told so), its query parameters checked (400 naming the one
+    that is wrong), then answered by the route's handler."""
     fleet_metrics = metrics if metrics is not None else FleetMetrics()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -753,117 +1063,44 @@ def make_app(
         if scope["type"] != "http":
             return
         method, path = scope["method"], unquote(scope["path"])
-        params = parse_qs(scope.get("query_string", b"").decode())
         parts = [p for p in path.split("/") if p]
         status: int = 200
         body: Any = None
         extra: list[tuple[bytes, bytes]] = []
-        #: An answer that is not JSON (the page, the metrics): its bytes and content type.
-        raw: tuple[bytes, bytes] | None = None
+        #: An answer that is not JSON (the page, the metrics).
+        raw: Raw | None = None
         try:
-            client = scope.get("client")
+            client_addr = scope.get("client")
+            client = client_addr[0] if client_addr else None
             headers: dict[bytes, bytes] = dict(scope.get("headers", ()))
-            checked.check(method, parts, headers, client[0] if client else None)
-            if parts == ["healthz"]:
-                body = {"ok": True}
-            elif method == "GET" and parts == []:
-                try:  # the fleet's data only for a request that may read it (see control.page)
-                    checked.check(method, ["fleet"], headers, client[0] if client else None)
-                    shown = await _fleet_html(query.view())
-                except ApiError:
-                    shown = None
-                raw = page.page_html(shown, tokens=checked.has_tokens), page.CONTENT_TYPE
-                extra.extend(page.HEADERS)
-            elif method == "GET" and parts == ["fleet"]:
-                raw = (await _fleet_html(query.view())).encode(), page.CONTENT_TYPE
-                extra.extend(page.HEADERS)
-            elif method == "GET" and parts == ["metrics"]:
-                data, ctype = await fleet_metrics.scrape(query.view(), headers.get(b"accept", b"").decode())
-                raw = data, ctype.encode()
-            elif method == "GET" and parts == ["api", "nodes"]:
-                body = nodes_doc(query.view())
-            elif method == "GET" and parts == ["api", "replicas"]:
-                body = replicas_doc(query.view())
-            elif method == "GET" and parts == ["api", "models"]:
-                body = models_doc(query.view())
-            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "nodes"]:
-                body = node_doc(query.view(), parts[2])
-            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "models"]:
-                body = model_doc(query.view(), parts[2])
-            elif method == "POST" and parts == ["api", "models"]:
-                body = await apply_models(query, await read_json_body(receive))
-            elif (
-                len(parts) == 4
-                and parts[:2] == ["api", "models"]
-                and (method, parts[3]) in (("PUT", "replicas"), ("POST", "scale"))
-            ):
-                body = await scale_model(query, parts[2], await read_json_body(receive))
-            elif method == "DELETE" and len(parts) == 3 and parts[:2] == ["api", "models"]:
-                body = await delete_model(query, parts[2])
-            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "why"]:
-                body = why_doc(query.view(), parts[2])
-            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "logs"]:
-                lines = int(params.get("lines", ["100"])[0])
-                after_text = params.get("after", [""])[0]
-                body = await logs_doc(
-                    query,
-                    parts[2],
-                    lines,
-                    previous=params.get("previous", ["0"])[0] in ("1", "true", "yes"),
-                    after=int(after_text) if after_text else None,
-                )
-            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
-                force = params.get("force", ["0"])[0] in ("1", "true", "yes")
-                try:
-                    moves = await query.drain(parts[2], force=force)
-                except KeyError as exc:
-                    raise ApiError(404, str(exc.args[0])) from exc
-                except DrainRefused as exc:
-                    raise ApiError(409, str(exc)) from exc
-                body = {"node_id": parts[2], "draining": True, "forced": force, "moves": moves}
-            elif method == "GET" and len(parts) == 3 and parts[:2] == ["api", "drain"]:
-                body = drain_doc(query.view(), parts[2])
-            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "cordon"]:
-                try:
-                    mark = await query.cordon(parts[2])
-                except KeyError as exc:
-                    raise ApiError(404, str(exc.args[0])) from exc
-                body = {"node_id": parts[2], "cordon": mark.value}
-            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "uncordon"]:
-                try:
-                    undone = await query.uncordon(parts[2])
-                except KeyError as exc:
-                    raise ApiError(404, str(exc.args[0])) from exc
-                body = {"node_id": parts[2], "undone": undone.value if undone else ""}
-            elif method == "GET" and parts == ["api", "token"]:
-                joins = query.joins()
-                if joins is None:
-                    raise ApiError(503, "the join token is not loaded yet; try again in a moment")
-                body = {"token": joins.join_token(), "file": str(joins.token_path)}
-            elif method == "POST" and len(parts) == 3 and parts[:2] == ["api", "reset"]:
-                joins = query.joins()
-                if joins is None:
-                    raise ApiError(503, "the node credentials are not loaded yet; try again in a moment")
-                forgotten = await joins.reset(parts[2])
-                if forgotten:
-                    log.info(
-                        "node %r: credential forgotten by an admin; it joins again with the join token",
-                        parts[2],
-                    )
-                body = {"node_id": parts[2], "forgotten": forgotten}
+            try:
+                route, args = find_route(ROUTES, method, parts)
+            except ApiError:
+                guard.check(method, path, READ, headers, client)
+                raise
+            role = guard.check(method, path, route.role, headers, client)
+            query_string = scope.get("query_string", b"").decode(errors="replace")
+            params = route.parse_params(parse_qs(query_string, keep_blank_values=True))
+            request = Request(query, args, params, role, receive, headers, fleet_metrics, guard.has_tokens)
+            answer = await route.handler(request)
+            if isinstance(answer, Raw):
+                raw = answer
+                extra.extend(answer.headers)
             else:
-                raise ApiError(404, f"no route {method} {path}")
+                body = answer
         except ApiError as exc:
             status, body = exc.status, {"error": str(exc)}
             if exc.status == 401:
                 extra.append((b"www-authenticate", b'Bearer realm="llmgw admin API"'))
+            if isinstance(exc, MethodNotAllowed):
+                extra.append((b"allow", ", ".join(exc.allowed).encode()))
         except ValueError as exc:
             status, body = 400, {"error": str(exc)}
         except Exception as exc:
             log.exception("admin API: %s %s failed", method, path)
             status, body = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"}
         if raw is not None and status == 200:
-            data, content_type = raw
+            data, content_type = raw.data, raw.content_type
         else:
             data, content_type = json.dumps(body, indent=2).encode() + b"\n", b"application/json"
         await send(
@@ -877,7 +1114,7 @@ def make_app(
                 ],
             }
         )
-        await send({"type": "http.response.body", "body": data})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else data})
 
     return app
 

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from control.config import ModelConfig
+from control.notfound import unknown_model
 
 
 class Source(enum.StrEnum):
@@ -152,7 +153,7 @@ class Catalog:
         return len(self._entries)
 
     def _unknown(self, name: str) -> KeyError:
-        return KeyError(f"no model {name!r} in the catalog; models: {', '.join(self.names()) or 'none'}")
+        return KeyError(unknown_model(name, self.names()))
 
     def _set(self, entry: Entry) -> None:
         self._entries[entry.name] = entry

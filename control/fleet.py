@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 
 import schema
+from control.notfound import unknown_node
 
 
 class NodeState(enum.StrEnum):
@@ -109,7 +110,7 @@ class Fleet:
         weakened to a cordon by a later ``cordon``: only ``uncordon`` undoes it."""
         node = self.nodes.get(node_id)
         if node is None:
-            raise KeyError(f"no node {node_id!r}; known: {', '.join(sorted(self.nodes)) or 'none'}")
+            raise KeyError(unknown_node(node_id, self.nodes))
         if self.cordons.get(node_id) is Cordon.DRAINING:
             mark = Cordon.DRAINING
         self.cordons[node_id] = mark
@@ -118,7 +119,7 @@ class Fleet:
     def uncordon(self, node_id: str) -> Cordon | None:
         """Undo a cordon or a drain; returns what was undone (``None``: nothing was)."""
         if node_id not in self.nodes and node_id not in self.cordons:
-            raise KeyError(f"no node {node_id!r}; known: {', '.join(sorted(self.nodes)) or 'none'}")
+            raise KeyError(unknown_node(node_id, self.nodes))
         undone = self.cordons.pop(node_id, None)
         node = self.nodes.get(node_id)
         if node is not None:

@@ -44,6 +44,7 @@ from control.config import ControlConfig, Listen, ModelConfig
 from control.events import Event, EventLog, Kind
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.fleetmetrics import FleetMetrics
+from control.notfound import unknown_node
 from control.placement import (
     GpuView,
     ModelSpec,
@@ -334,8 +335,7 @@ class ControlPlane:
         will do, one line per replica; the drain is on disk before this returns.
         """
         if node_id not in self.fleet.nodes:
-            known = ", ".join(sorted(self.fleet.nodes)) or "none"
-            raise KeyError(f"no node {node_id!r}; known: {known}")
+            raise KeyError(unknown_node(node_id, self.fleet.nodes))
         plan = await self._plan_without(node_id)
         verdict = drain_verdict(node_id, self.placements, plan, self.fleet.nodes)
         lines, refusals = list(verdict.moves), verdict.refusals
@@ -371,9 +371,13 @@ class ControlPlane:
             )
 
     async def _catalog_changed(self, changes: list[Change], why: str) -> None:
-        """Log, record, save (on disk before the caller answers) and wake the reconciler."""
+        """Log, record, save (on disk before the caller answers) and wake the reconciler. The routes
+        follow the catalog before the answer, not at the next reconcile pass: a deleted model has
+        left the embedded router's table and the watchers' when ``ctl delete`` returns, as the
+        README's "at once" promises (a request sent just after was still served otherwise)."""
         self._log_changes(changes, why)
         if any(c.action is not Action.UNCHANGED for c in changes):
+            self.build_routes()
             await self.save()
             self.poke()
 

@@ -1,4 +1,5 @@
-"""Helpers every test file shares: a free port, polling with a deadline, and reading ``/proc``.
+"""Helpers every test file shares: a free port, polling with a deadline, reading ``/proc``, and
+one request to an in-process ASGI app.
 
 Defined once here so that each rule lives in one place: a wait always has a bound and names what it
 waited for (never a fixed sleep); a process counts as running only while it is not a zombie; a scan of
@@ -10,9 +11,9 @@ from __future__ import annotations
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -124,3 +125,38 @@ def processes(match: Callable[[list[bytes]], bool]) -> list[int]:
         if argv is not None and match(argv) and pid_alive(int(entry.name)):
             pids.append(int(entry.name))
     return sorted(pids)
+
+
+def asgi_call(
+    app: Callable[..., Any],
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    headers: Sequence[tuple[bytes, bytes]] = ((b"content-type", b"application/json"),),
+    query: bytes = b"",
+    host: bytes = b"127.0.0.1:7080",
+    client: str = "127.0.0.1",
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request to an ASGI app in this process (the admin API over a hand-built query): its
+    status, headers and body. The body arrives in two messages, as a client may send it."""
+    sent: list[dict[str, Any]] = []
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": query,
+        "client": (client, 40000),
+        "headers": [(b"host", host), *headers],
+    }
+    chunks = [body[:7], body[7:]]
+
+    async def receive() -> dict[str, Any]:
+        chunk = chunks.pop(0) if chunks else b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    trio.run(app, scope, receive, send)
+    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]

@@ -256,3 +256,158 @@ def test_which_host_headers_are_the_apis_own() -> None:
     # A Host without a port means the scheme's default port.
     assert own("10.0.0.5", 80)("10.0.0.5") and own("10.0.0.5", 443, tls=True)("10.0.0.5")
     assert not own("10.0.0.5", 443)("10.0.0.5")
+
+
+# -- the route table, over a hand-built query: every route checks its own role --------------------
+
+
+class _FleetlessQuery:
+    """Every ``ControlQuery`` method over a real ``Catalog`` (one model, ``m``), a real join book and
+    no node: a request that passes the guard reaches its route's handler, which answers from here
+    (``no node 'x1'; nodes: none`` for a node's routes, the model's documents for ``m``)."""
+
+    def __init__(self, state: Path) -> None:
+        from control.catalog import Catalog
+        from control.config import ModelConfig, ProfileConfig
+        from control.joins import JoinBook
+
+        self.catalog = Catalog()
+        self.catalog.apply_file(
+            [ModelConfig(name="m", replicas=0, profile=ProfileConfig(engine="sim", model="m"))]
+        )
+        self.book = JoinBook.load(state)
+
+    def view(self) -> Any:
+        from control.placement import Plan
+        from control.query import ControlView
+
+        models = {m.name: m for m in self.catalog.models()}
+        entries = {e.name: e for e in self.catalog.entries()}
+        return ControlView(
+            now=0.0, nodes={}, placements=(), plan=Plan((), ()), models=models, catalog=entries
+        )
+
+    async def request_logs(self, node_id: str, shard_id: str, lines: int, **_: Any) -> Any:
+        raise LookupError(f"{node_id} is not connected")
+
+    def _no_node(self, node_id: str) -> KeyError:
+        from control.notfound import unknown_node
+
+        return KeyError(unknown_node(node_id, ()))
+
+    async def cordon(self, node_id: str) -> Any:
+        raise self._no_node(node_id)
+
+    async def uncordon(self, node_id: str) -> Any:
+        raise self._no_node(node_id)
+
+    async def drain(self, node_id: str, *, force: bool = False) -> list[str]:
+        raise self._no_node(node_id)
+
+    def joins(self) -> Any:
+        return self.book
+
+    async def apply_models(self, models: list[Any]) -> list[Any]:
+        return self.catalog.apply(models)
+
+    async def scale_model(self, name: str, replicas: int) -> Any:
+        return self.catalog.scale(name, replicas)
+
+    async def delete_model(self, name: str) -> Any:
+        return self.catalog.delete(name)
+
+
+def _route_path(path: str) -> str:
+    """A route's path with a value in each parameter: the model ``m``, any other name ``x1``."""
+    return path.replace("{model}", "m").replace("{node}", "x1").replace("{shard}", "x1")
+
+
+def test_every_route_checks_its_role_and_reaches_its_handler(tmp_path: Path) -> None:
+    """Iterates ``control.api.ROUTES``, so a route added later is covered: without a token 401 (a
+    public route 200); with the read token a read route is answered and an admin route is 403;
+    with the admin token every route is answered by its handler (never the router's 404/405)."""
+    from control.api import ADMIN as ADMIN_ROLE
+    from control.api import READ as READ_ROLE
+    from control.api import ROUTES, ApiGuard, make_app
+    from tests.support import asgi_call
+
+    guard = ApiGuard(
+        read_tokens=(READ.encode(),),
+        admin_tokens=(ADMIN.encode(),),
+        hosts=frozenset({"127.0.0.1"}),
+        port=7080,
+    )
+    app = make_app(_FleetlessQuery(tmp_path), guard)  # type: ignore[arg-type]
+
+    def ask(method: str, path: str, token: str) -> tuple[int, bytes]:
+        headers = [(b"content-type", b"application/json")]
+        if token:
+            headers.append((b"authorization", f"Bearer {token}".encode()))
+        body = b'{"replicas": 0}' if method in ("PUT", "POST") else b""
+        status, _, data = asgi_call(app, method, path, body, headers=headers)
+        return status, data
+
+    assert {r.role for r in ROUTES} == {None, READ_ROLE, ADMIN_ROLE}
+    assert len({(r.method, r.path) for r in ROUTES}) == len(ROUTES), "a route is in the table twice"
+    for route in ROUTES:
+        path = _route_path(route.path)
+        where = f"{route.method} {route.path}"
+        anonymous, _ = ask(route.method, path, "")
+        assert anonymous == (200 if route.role is None else 401), where
+        for token, may in ((READ, route.role != ADMIN_ROLE), (ADMIN, True)):
+            status, data = ask(route.method, path, token)
+            if may:
+                # The handler's own answer: 200, or its 400/404/409/503 naming the object.
+                assert status not in (401, 403, 405) and b"no route" not in data, (where, status, data)
+            else:
+                assert status == 403 and b"needs an admin token" in data, (where, status, data)
+    assert ask("GET", "/api/why/m", READ)[0] == 200 and ask("GET", "/api/nodes/x1", READ) == (
+        404,
+        b'{\n  "error": "no node \'x1\'; nodes: none"\n}\n',
+    )
+
+
+def test_unknown_paths_methods_and_query_parameters_are_named(tmp_path: Path) -> None:
+    """404 for a path no route has (after the read role is checked), 405 with ``Allow`` for a
+    method its path lacks, and every query parameter checked: a range and the value in the error."""
+    import json
+
+    from control.api import ApiGuard, make_app
+    from tests.support import asgi_call
+
+    guard = ApiGuard(read_tokens=(READ.encode(),), hosts=frozenset({"127.0.0.1"}), port=7080)
+    app = make_app(_FleetlessQuery(tmp_path), guard)  # type: ignore[arg-type]
+    auth = [(b"authorization", f"Bearer {READ}".encode())]
+
+    def ask(method: str, path: str, query: bytes = b"", headers: Any = auth) -> tuple[int, Any, Any]:
+        status, head, data = asgi_call(app, method, path, headers=headers, query=query)
+        return status, head, json.loads(data) if data else None
+
+    assert ask("GET", "/api/nosuch", headers=[])[0] == 401  # nothing said about paths to a stranger
+    status, _, doc = ask("GET", "/api/nosuch")
+    assert (status, doc["error"]) == (404, "no route GET /api/nosuch")
+    status, head, doc = ask("PATCH", "/api/models/m")
+    assert status == 405 and head[b"allow"] == b"GET, HEAD, DELETE", head
+    assert doc["error"] == "PATCH /api/models/m: this path takes GET, HEAD, DELETE"
+    status, head, doc = ask("HEAD", "/healthz", headers=[])
+    assert status == 200 and doc is None and int(head[b"content-length"]) > 0
+    bad = {
+        b"lines=abc": "lines must be a whole number from 1 to 10000, got 'abc'",
+        b"lines=0": "lines must be a whole number from 1 to 10000, got '0'",
+        b"lines=10001": "lines must be a whole number from 1 to 10000, got '10001'",
+        b"lines=-5": "lines must be a whole number from 1 to 10000, got '-5'",
+        b"lines=1_0": "lines must be a whole number from 1 to 10000, got '1_0'",
+        b"after=x": f"after must be a whole number from 0 to {2**63 - 1}, got 'x'",
+        b"previous=maybe": "previous must be 1 or 0 (true or false), got 'maybe'",
+        b"lines=5&lines=6": "query parameter lines is given 2 times; give it once",
+        b"line=5": "GET /api/logs/{shard} takes no query parameter 'line' (it takes: lines, previous, after)",
+        b"lines=" + b"9" * 100: f"lines must be a whole number from 1 to 10000, got {'9' * 40!r}...",
+    }
+    for query, error in bad.items():
+        status, _, doc = ask("GET", "/api/logs/s1", query)
+        assert (status, doc["error"]) == (400, error), query
+    # In range, the request reaches the handler: no such shard.
+    status, _, doc = ask("GET", "/api/logs/s1", b"lines=10000&previous=1&after=0")
+    assert (status, doc["error"]) == (404, "no shard 's1' is placed or reported on any node")
+    status, _, doc = ask("GET", "/api/nodes", b"watch=1")
+    assert (status, doc["error"]) == (400, "GET /api/nodes takes no query parameter 'watch' (it takes: none)")

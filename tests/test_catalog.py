@@ -18,6 +18,7 @@ from control.catalog import Action, Catalog, CatalogConflict, Source
 from control.config import ConfigError, ModelConfig, ProfileConfig, parse_models
 from control.state import parse_state, state_doc
 from tests.fleet_procs import ControlProcess, one_node, poll
+from tests.support import asgi_call
 
 FIXTURE_STATE = Path(__file__).parent / "fixtures" / "state" / "control-state-2026-12-03.json"
 
@@ -438,28 +439,8 @@ class CatalogQuery:
 
 
 def call(app: Any, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
-    import trio
-
-    sent: list[dict[str, Any]] = []
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "query_string": b"",
-        "client": ("127.0.0.1", 40000),
-        "headers": [(b"host", b"127.0.0.1:7080"), (b"content-type", b"application/json")],
-    }
-    chunks = [body[:7], body[7:]]  # the body in two messages, as a client may send it
-
-    async def receive() -> dict[str, Any]:
-        chunk = chunks.pop(0) if chunks else b""
-        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    trio.run(app, scope, receive, send)
-    return sent[0]["status"], json.loads(sent[1]["body"])
+    status, _, data = asgi_call(app, method, path, body)
+    return status, json.loads(data)
 
 
 def test_the_admin_api_model_routes_answer_400_404_409_with_the_reason() -> None:

@@ -382,7 +382,7 @@ def test_the_api_documents_are_built_from_a_view_alone() -> None:
         ],
         "empty": False,
     }
-    with pytest.raises(ApiError, match="no node 'n9'; known: n1, n2"):
+    with pytest.raises(ApiError, match="no node 'n9'; nodes: n1, n2"):
         drain_doc(view, "n9")
     [doc] = replicas_doc(view)
     assert [
