@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -399,6 +400,34 @@ def test_delete_drains_a_model_a_streaming_request_finishes_and_new_ones_get_404
         assert "error" not in result and result["finish"] == "length", (first, result)
         assert name not in get_models(cp) and not agent.marked_engines()
         assert f"drain {name}-r0-s0" in cp.log.read_text()
+
+
+def test_delete_answers_after_the_model_left_the_routes(tmp_path: Path) -> None:
+    """``DELETE /api/models/MODEL`` (what ``ctl delete`` sends) answers only once the model has left
+    the router's table: a request sent the instant the answer arrives, on a connection already open
+    to the router, gets 404 model_not_found (before the fix it was served: the table changed at the
+    next reconcile pass, some 50 ms or more after the answer)."""
+    name = f"gone-{os.getpid()}"
+    with one_node(tmp_path, "", "24900-24949") as (cp, _):
+        apply = subprocess.run(
+            [*cp.ctl_argv(), "apply", "-f", "-"],
+            input=model_toml(name),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert apply.returncode == 0, apply
+        poll(f"{name} ready", lambda: ready_count(cp, name, 1))
+        body = {"model": name, "prompt": "hi", "max_tokens": 1}
+        with (
+            httpx.Client(base_url=f"http://127.0.0.1:{cp.router_port}", timeout=30) as router,
+            httpx.Client(base_url=f"http://127.0.0.1:{cp.api_port}", timeout=30) as api,
+        ):
+            assert router.post("/v1/completions", json=body).status_code == 200  # served, connection open
+            deleted = api.delete(f"/api/models/{name}", headers={"content-type": "application/json"})
+            after = router.post("/v1/completions", json=body)
+        assert deleted.status_code == 200 and deleted.json()["line"] == f"model/{name} deleting", deleted.text
+        assert after.status_code == 404 and after.json()["error"]["code"] == "model_not_found", after.text
 
 
 def _not_found(client: openai.OpenAI, name: str) -> bool:
