@@ -301,6 +301,45 @@ def test_describe_node_and_model(node: Node) -> None:
 # -- logs ----------------------------------------------------------------------------------------
 
 
+def test_every_model_verb_names_the_known_models(node: Node) -> None:
+    """Each verb that takes a model, given one the catalog does not hold, exits 1 with the same
+    words (``control.notfound``): the name asked for and every model there is. Nodes likewise."""
+    known = ", ".join(sorted([CHAT, CRASH, HUGE]))
+    says = f"no model 'nosuch' in the catalog; models: {known}"
+    for argv in (
+        ["get", "models", "nosuch"],
+        ["get", "model", "nosuch", "-o", "wide"],
+        ["describe", "model", "nosuch"],
+        ["why", "nosuch"],
+        ["scale", "nosuch", "2"],
+        ["delete", "model/nosuch"],
+        ["rollout", "status", "nosuch"],
+    ):
+        result = ctl(*argv, "--api", node.api)
+        assert result.returncode == 1 and says in result.stderr and result.stdout == "", (argv, result)
+    for argv in (
+        ["get", "nodes", "gpu99"],
+        ["describe", "node", "gpu99"],
+        ["cordon", "gpu99"],
+        ["drain", "gpu99"],
+    ):
+        result = ctl(*argv, "--api", node.api)
+        assert result.returncode == 1 and "no node 'gpu99'; nodes: gpu07" in result.stderr, (argv, result)
+
+
+def test_logs_lines_out_of_range_say_what_is_expected(node: Node) -> None:
+    """``--tail`` is checked by the API, where its bound is defined: 400 with the range and the value,
+    not Python's ``invalid literal for int()``."""
+    chat = node.shard(CHAT)
+    for tail in ("0", "10001"):
+        result = ctl("logs", chat["shard_id"], "--tail", tail, "--api", node.api)
+        expected = f"HTTP 400: lines must be a whole number from 1 to 10000, got '{tail}'"
+        assert result.returncode == 1 and expected in result.stderr, result
+    raw = httpx.get(f"{node.api}/api/logs/{chat['shard_id']}?lines=abc", timeout=15)
+    assert raw.status_code == 400
+    assert raw.json()["error"] == "lines must be a whole number from 1 to 10000, got 'abc'"
+
+
 def test_logs_follow_picks_up_new_lines_and_ctrl_c_is_0(node: Node) -> None:
     chat = node.shard(CHAT)
     shard = str(chat["shard_id"])
