@@ -1047,8 +1047,8 @@ def make_app(
 
     A request is matched against ``ROUTES`` (404 for no such path, 405 with ``Allow`` for a path
     with other methods), checked by the guard with its route's role (a path that matches nothing
-    needs the read role before it is told so), its query parameters checked (400 naming the one
-    that is wrong), then answered by the route's handler."""
+    needs the read role before it is told so, a write the admin role), its query parameters
+    checked (400 naming the one that is wrong), then answered by the route's handler."""
     fleet_metrics = metrics if metrics is not None else FleetMetrics()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -1076,7 +1076,8 @@ def make_app(
             try:
                 route, args = find_route(ROUTES, method, parts)
             except ApiError:
-                guard.check(method, path, READ, headers, client)
+                # Told only to whoever may ask: a read needs the read role, a write the admin role.
+                guard.check(method, path, READ if method in ("GET", "HEAD") else ADMIN, headers, client)
                 raise
             role = guard.check(method, path, route.role, headers, client)
             query_string = scope.get("query_string", b"").decode(errors="replace")

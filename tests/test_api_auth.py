@@ -368,16 +368,22 @@ def test_every_route_checks_its_role_and_reaches_its_handler(tmp_path: Path) -> 
 
 
 def test_unknown_paths_methods_and_query_parameters_are_named(tmp_path: Path) -> None:
-    """404 for a path no route has (after the read role is checked), 405 with ``Allow`` for a
-    method its path lacks, and every query parameter checked: a range and the value in the error."""
+    """404 for a path no route has and 405 with ``Allow`` for a method its path lacks (after the
+    read role is checked for a read, the admin role for a write), and every query parameter checked: a range and the value in the error."""
     import json
 
     from control.api import ApiGuard, make_app
     from tests.support import asgi_call
 
-    guard = ApiGuard(read_tokens=(READ.encode(),), hosts=frozenset({"127.0.0.1"}), port=7080)
+    guard = ApiGuard(
+        read_tokens=(READ.encode(),),
+        admin_tokens=(ADMIN.encode(),),
+        hosts=frozenset({"127.0.0.1"}),
+        port=7080,
+    )
     app = make_app(_FleetlessQuery(tmp_path), guard)  # type: ignore[arg-type]
     auth = [(b"authorization", f"Bearer {READ}".encode())]
+    admin = [(b"authorization", f"Bearer {ADMIN}".encode()), (b"content-type", b"application/json")]
 
     def ask(method: str, path: str, query: bytes = b"", headers: Any = auth) -> tuple[int, Any, Any]:
         status, head, data = asgi_call(app, method, path, headers=headers, query=query)
@@ -386,7 +392,10 @@ def test_unknown_paths_methods_and_query_parameters_are_named(tmp_path: Path) ->
     assert ask("GET", "/api/nosuch", headers=[])[0] == 401  # nothing said about paths to a stranger
     status, _, doc = ask("GET", "/api/nosuch")
     assert (status, doc["error"]) == (404, "no route GET /api/nosuch")
-    status, head, doc = ask("PATCH", "/api/models/m")
+    assert ask("PATCH", "/api/models/m")[0] == 403  # a write: the admin role before anything is said
+    assert ask("POST", "/api/nosuch")[0] == 403
+    assert ask("POST", "/api/nosuch", headers=admin)[0] == 404
+    status, head, doc = ask("PATCH", "/api/models/m", headers=admin)
     assert status == 405 and head[b"allow"] == b"GET, HEAD, DELETE", head
     assert doc["error"] == "PATCH /api/models/m: this path takes GET, HEAD, DELETE"
     status, head, doc = ask("HEAD", "/healthz", headers=[])
