@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.fleet_procs import Agent, ControlProcess, free_port, poll
+from tests.test_catalog import CatalogQuery
 
 READ = "r" * 8 + "-read-token-0001"
 ADMIN = "a" * 8 + "-admin-token-001"
@@ -261,7 +262,7 @@ def test_which_host_headers_are_the_apis_own() -> None:
 # -- the route table, over a hand-built query: every route checks its own role --------------------
 
 
-class _FleetlessQuery:
+class _FleetlessQuery(CatalogQuery):
     """Every ``ControlQuery`` method over a real ``Catalog`` (one model, ``m``), a real join book and
     no node: a request that passes the guard reaches its route's handler, which answers from here
     (``no node 'x1'; nodes: none`` for a node's routes, the model's documents for ``m``)."""
@@ -271,21 +272,11 @@ class _FleetlessQuery:
         from control.config import ModelConfig, ProfileConfig
         from control.joins import JoinBook
 
-        self.catalog = Catalog()
+        super().__init__(Catalog())
         self.catalog.apply_file(
             [ModelConfig(name="m", replicas=0, profile=ProfileConfig(engine="sim", model="m"))]
         )
         self.book = JoinBook.load(state)
-
-    def view(self) -> Any:
-        from control.placement import Plan
-        from control.query import ControlView
-
-        models = {m.name: m for m in self.catalog.models()}
-        entries = {e.name: e for e in self.catalog.entries()}
-        return ControlView(
-            now=0.0, nodes={}, placements=(), plan=Plan((), ()), models=models, catalog=entries
-        )
 
     async def request_logs(self, node_id: str, shard_id: str, lines: int, **_: Any) -> Any:
         raise LookupError(f"{node_id} is not connected")
@@ -307,29 +298,11 @@ class _FleetlessQuery:
     def joins(self) -> Any:
         return self.book
 
-    async def apply_models(self, models: list[Any]) -> list[Any]:
-        return self.catalog.apply(models)
 
-    async def scale_model(self, name: str, replicas: int) -> Any:
-        return self.catalog.scale(name, replicas)
-
-    async def delete_model(self, name: str) -> Any:
-        return self.catalog.delete(name)
-
-
-def _route_path(path: str) -> str:
-    """A route's path with a value in each parameter: the model ``m``, any other name ``x1``."""
-    return path.replace("{model}", "m").replace("{node}", "x1").replace("{shard}", "x1")
-
-
-def test_every_route_checks_its_role_and_reaches_its_handler(tmp_path: Path) -> None:
-    """Iterates ``control.api.ROUTES``, so a route added later is covered: without a token 401 (a
-    public route 200); with the read token a read route is answered and an admin route is 403;
-    with the admin token every route is answered by its handler (never the router's 404/405)."""
-    from control.api import ADMIN as ADMIN_ROLE
-    from control.api import READ as READ_ROLE
-    from control.api import ROUTES, ApiGuard, make_app
-    from tests.support import asgi_call
+@pytest.fixture
+def app(tmp_path: Path) -> Any:
+    """The admin API over ``_FleetlessQuery``, with the read and the admin token configured."""
+    from control.api import ApiGuard, make_app
 
     guard = ApiGuard(
         read_tokens=(READ.encode(),),
@@ -337,7 +310,22 @@ def test_every_route_checks_its_role_and_reaches_its_handler(tmp_path: Path) -> 
         hosts=frozenset({"127.0.0.1"}),
         port=7080,
     )
-    app = make_app(_FleetlessQuery(tmp_path), guard)  # type: ignore[arg-type]
+    return make_app(_FleetlessQuery(tmp_path), guard)  # type: ignore[arg-type]
+
+
+def _route_path(path: str) -> str:
+    """A route's path with a value in each parameter: the model ``m``, any other name ``x1``."""
+    return path.replace("{model}", "m").replace("{node}", "x1").replace("{shard}", "x1")
+
+
+def test_every_route_checks_its_role_and_reaches_its_handler(app: Any) -> None:
+    """Iterates ``control.api.ROUTES``, so a route added later is covered: without a token 401 (a
+    public route 200); with the read token a read route is answered and an admin route is 403;
+    with the admin token every route is answered by its handler (never the router's 404/405)."""
+    from control.api import ADMIN as ADMIN_ROLE
+    from control.api import READ as READ_ROLE
+    from control.api import ROUTES
+    from tests.support import asgi_call
 
     def ask(method: str, path: str, token: str) -> tuple[int, bytes]:
         headers = [(b"content-type", b"application/json")]
@@ -367,21 +355,14 @@ def test_every_route_checks_its_role_and_reaches_its_handler(tmp_path: Path) -> 
     )
 
 
-def test_unknown_paths_methods_and_query_parameters_are_named(tmp_path: Path) -> None:
+def test_unknown_paths_methods_and_query_parameters_are_named(app: Any) -> None:
     """404 for a path no route has and 405 with ``Allow`` for a method its path lacks (after the
-    read role is checked for a read, the admin role for a write), and every query parameter checked: a range and the value in the error."""
+    read role is checked for a read, the admin role for a write), and every query parameter
+    checked: its range and the value given in the error."""
     import json
 
-    from control.api import ApiGuard, make_app
     from tests.support import asgi_call
 
-    guard = ApiGuard(
-        read_tokens=(READ.encode(),),
-        admin_tokens=(ADMIN.encode(),),
-        hosts=frozenset({"127.0.0.1"}),
-        port=7080,
-    )
-    app = make_app(_FleetlessQuery(tmp_path), guard)  # type: ignore[arg-type]
     auth = [(b"authorization", f"Bearer {READ}".encode())]
     admin = [(b"authorization", f"Bearer {ADMIN}".encode()), (b"content-type", b"application/json")]
 

@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import ssl
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,54 @@ def one_request(
         return 0
 
     return run
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def wait_until(
+    step: Callable[[], tuple[bool, str]],
+    timeout: float,
+    gave_up: str,
+    *,
+    show: Callable[[str], None] = _print,
+    poll_every: float = POLL_SECONDS / 2,
+) -> None:
+    """What every ``--wait`` does: call ``step`` (done, and a line on where things stand) until it
+    is done, showing each line that differs from the last; past ``timeout`` seconds, ``CtlFailed``
+    with ``gave_up``, the timeout and the last line."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        done, line = step()
+        if line != last:
+            show(line)
+            last = line
+        if done:
+            return
+        if time.monotonic() >= deadline:
+            raise CtlFailed(f"{gave_up} after {timeout:g} s; {line}")
+        time.sleep(min(poll_every, max(deadline - time.monotonic(), 0.0)))
+
+
+def add_wait_options(parser: argparse.ArgumentParser, wait_help: str) -> None:
+    """``--wait`` and its ``--timeout S`` (600 s), the same on every verb that can wait."""
+    parser.add_argument("--wait", action="store_true", help=wait_help)
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
+    )
+
+
+def action(
+    parser: argparse.ArgumentParser, dest: str, name: str, help_: str, description: str
+) -> argparse.ArgumentParser:
+    """A verb's one ACTION (``rollout status``, ``node reset``): its own parser, with the same
+    epilog and layout as a verb's."""
+    actions = parser.add_subparsers(dest=dest, required=True, metavar="ACTION")
+    return actions.add_parser(
+        name, help=help_, description=description, epilog=EXIT_CODES, formatter_class=Formatter
+    )
 
 
 def model_name(text: str) -> str:
@@ -209,9 +258,12 @@ __all__ = [
     "CtlFailed",
     "Formatter",
     "Verb",
+    "action",
     "add_global_options",
+    "add_wait_options",
     "http_options",
     "model_name",
     "one_request",
     "version",
+    "wait_until",
 ]

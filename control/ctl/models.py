@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from control.ctl.base import POLL_SECONDS, Api, CtlFailed, Verb, model_name, one_request
+from control.ctl.base import Api, CtlFailed, Verb, add_wait_options, model_name, one_request, wait_until
 
 
 def run_apply(api: Api, args: argparse.Namespace) -> int:
@@ -50,23 +49,18 @@ def run_delete(api: Api, args: argparse.Namespace) -> int:
     print(json.dumps(doc, indent=2) if args.output == "json" else doc["line"], flush=True)
     if not args.wait:
         return 0
-    deadline = time.monotonic() + args.timeout
-    last = ""
-    while True:
+
+    def gone() -> tuple[bool, str]:
         model = next((m for m in api.get("/api/models") if m["model"] == name), None)
         if model is None:
-            print(f"model/{name} deleted", flush=True)
-            return 0
-        line = (
+            return True, f"model/{name} deleted"
+        return False, (
             f"model/{name}: {model['replicas_placed']} replica(s) placed, "
             f"{model['replicas_ready']} ready; waiting for its engines to stop"
         )
-        if line != last:
-            print(line, flush=True)
-            last = line
-        if time.monotonic() >= deadline:
-            raise CtlFailed(f"ctl: delete {name}: not gone after {args.timeout:g} s; {line}")
-        time.sleep(min(POLL_SECONDS / 2, max(deadline - time.monotonic(), 0.0)))
+
+    wait_until(gone, args.timeout, f"ctl: delete {name}: not gone")
+    return 0
 
 
 def why_text(doc: Any) -> str:
@@ -118,10 +112,7 @@ def _scale_arguments(scale: argparse.ArgumentParser) -> list[argparse.ArgumentPa
 
 def _delete_arguments(delete: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     delete.add_argument("model", help="the model name, or model/NAME")
-    delete.add_argument("--wait", action="store_true", help="wait until the model is gone, showing progress")
-    delete.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
-    )
+    add_wait_options(delete, "wait until the model is gone, showing progress")
     return []
 
 

@@ -5,10 +5,9 @@ credential)."""
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
-from control.ctl.base import EXIT_CODES, POLL_SECONDS, Api, CtlFailed, Formatter, Verb, one_request
+from control.ctl.base import Api, Verb, action, add_wait_options, one_request, wait_until
 from control.ctl.text import OLD_GAP, table
 
 
@@ -102,22 +101,17 @@ def drain_progress_line(doc: Any) -> str:
     return f"{doc['node_id']}: {len(parts)} shard(s) left: {'; '.join(parts)}"
 
 
-def drain_wait(api: Api, node: str, timeout: float, poll_every: float = POLL_SECONDS / 2) -> int:
+def drain_wait(api: Api, node: str, timeout: float) -> int:
     """Show progress lines until nothing runs on ``node`` (0); ``CtlFailed`` once ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
+
+    def empty() -> tuple[bool, str]:
         doc = api.get(f"/api/drain/{node}")
         if doc["empty"]:
-            print(f"{node}: drained; nothing runs there any more", flush=True)
-            return 0
-        line = drain_progress_line(doc)
-        if line != last:
-            print(line, flush=True)
-            last = line
-        if time.monotonic() >= deadline:
-            raise CtlFailed(f"ctl: drain of {node} not done after {timeout:g} s; {line}")
-        time.sleep(min(poll_every, max(deadline - time.monotonic(), 0.0)))
+            return True, f"{node}: drained; nothing runs there any more"
+        return False, drain_progress_line(doc)
+
+    wait_until(empty, timeout, f"ctl: drain of {node} not done")
+    return 0
 
 
 _drain_once = one_request(
@@ -141,22 +135,18 @@ def _drain_arguments(drain: argparse.ArgumentParser) -> list[argparse.ArgumentPa
     drain.add_argument(
         "--force", action="store_true", help="drain even if a model is left without a ready replica"
     )
-    drain.add_argument("--wait", action="store_true", help="show progress until the node is empty")
-    drain.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
-    )
+    add_wait_options(drain, "show progress until the node is empty")
     return []
 
 
 def _node_arguments(node: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    actions = node.add_subparsers(dest="node_command", required=True, metavar="ACTION")
-    reset = actions.add_parser(
+    reset = action(
+        node,
+        "node_command",
         "reset",
-        help="forget NODE's credential; it joins again with the join token",
-        description="Forget NODE's credential, so it can join again with the join token (a node "
+        "forget NODE's credential; it joins again with the join token",
+        "Forget NODE's credential, so it can join again with the join token (a node "
         "reinstalled on purpose; until then nothing can speak for it with the token).",
-        epilog=EXIT_CODES,
-        formatter_class=Formatter,
     )
     reset.add_argument("node", help="node id")
     return [reset]

@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
-from control.ctl.base import EXIT_CODES, POLL_SECONDS, Api, CtlFailed, Formatter, Verb, model_name
+from control.ctl.base import Api, Verb, action, add_wait_options, model_name, wait_until
 
 
 def rollout_line(name: str, rollout: dict[str, Any] | None) -> tuple[str, str]:
@@ -40,46 +39,37 @@ def run_rollout(api: Api, args: argparse.Namespace) -> int:
     """``rollout status MODEL [--wait]``: exit 0 when complete (or progressing without --wait), 1
     when failed or past --timeout."""
     name = model_name(args.model)
-    deadline = time.monotonic() + args.timeout
-    last = ""
-    while True:
+    states: list[str] = []
+
+    def status() -> tuple[bool, str]:
         doc = api.get(f"/api/models/{name}")
         line, state = rollout_line(name, doc.get("rollout"))
+        states.append(state)
         if args.output == "json":
             print(json.dumps(doc.get("rollout"), indent=2), flush=True)
-        elif line != last:
-            print(line, file=sys.stderr if state == "failed" else sys.stdout, flush=True)
-        last = line
-        if state == "failed":
-            return 1
-        if state == "complete" or not args.wait:
-            return 0
-        if time.monotonic() >= deadline:
-            raise CtlFailed(f"ctl: rollout status {name}: not complete after {args.timeout:g} s; {line}")
-        time.sleep(min(POLL_SECONDS / 2, max(deadline - time.monotonic(), 0.0)))
+        return state in ("failed", "complete") or not args.wait, line
+
+    def show(line: str) -> None:
+        if args.output != "json":
+            print(line, file=sys.stderr if states[-1] == "failed" else sys.stdout, flush=True)
+
+    wait_until(status, args.timeout, f"ctl: rollout status {name}: not complete", show=show)
+    return 1 if states[-1] == "failed" else 0
 
 
 def _arguments(rollout: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    actions = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
-    status = actions.add_parser(
+    status = action(
+        rollout,
+        "rollout_command",
         "status",
-        help="show MODEL's rollout: progress, done, or why it failed",
-        description="Show MODEL's rollout in one line (kubectl's words): how many replicas are "
+        "show MODEL's rollout: progress, done, or why it failed",
+        "Show MODEL's rollout in one line (kubectl's words): how many replicas are "
         "updated and ready, old ones still to go, or why it failed or waits (a replica that cannot "
         "be placed). Exit 0 when the rollout is complete (or, without --wait, still progressing), "
         "1 when it failed or --timeout passed.",
-        epilog=EXIT_CODES,
-        formatter_class=Formatter,
     )
     status.add_argument("model", help="the model name, or model/NAME")
-    status.add_argument(
-        "--wait",
-        action="store_true",
-        help="print each change of progress until the rollout completes or fails",
-    )
-    status.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="with --wait: give up after S seconds (600)"
-    )
+    add_wait_options(status, "print each change of progress until the rollout completes or fails")
     return [status]
 
 
