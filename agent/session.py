@@ -289,7 +289,10 @@ class Session:
             req = command.logs
             try:
                 lines, offset = await self.supervisor.read_log(
-                    req.shard_id, min(req.lines or 100, 10_000), previous=req.previous, after=req.after
+                    req.shard_id,
+                    min(req.lines or 100, schema.MAX_LOG_LINES),
+                    previous=req.previous,
+                    after=req.after,
                 )
                 reply = schema.LogsReply(request_id=mid, shard_id=req.shard_id, lines=lines, offset=offset)
             except KeyError as exc:

@@ -530,8 +530,9 @@ def drain_doc(view: ControlView, node_id: str) -> dict[str, Any]:
 async def logs_doc(
     query: ControlQuery, shard_id: str, lines: int, *, previous: bool = False, after: int | None = None
 ) -> dict[str, Any]:
-    if lines < 0 or (after is not None and after < 0):
-        raise ApiError(400, f"logs of {shard_id}: lines and after are counts, 0 or more")
+    """The tail of a shard's log from the first node that can give it (``lines`` and ``after`` as
+    the route's parameters checked them: ``ROUTES``); 404 for a shard no node has, 503 with each
+    node's reason when none could answer."""
     # Nodes that report the shard first, then those it is placed on; each asked once.
     view = query.view()
     holders = [n.node_id for n in view.nodes.values() if shard_id in n.shards]
@@ -738,8 +739,6 @@ class ApiGuard:
 
 # -- the route table: each route's method, path, role, query parameters and handler ---------------
 
-#: The most lines ``GET /api/logs/SHARD`` gives (what the agent reads at most, too).
-MAX_LOG_LINES = 10_000
 #: The largest log offset a follower may send (the wire's ``after`` is a uint64; a file is smaller).
 MAX_LOG_OFFSET = (1 << 63) - 1
 
@@ -997,7 +996,7 @@ ROUTES: tuple[Route, ...] = (
         READ,
         _logs,
         (
-            Param("lines", low=1, high=MAX_LOG_LINES, default=100),
+            Param("lines", low=1, high=schema.MAX_LOG_LINES, default=100),
             _FLAG("previous"),
             Param("after", low=0, high=MAX_LOG_OFFSET),
         ),

@@ -40,9 +40,13 @@ WEBSOCKET_PATH = f"/ws/{SERVICE}/{METHOD}"
 #: the same port as the agent streams, for routers.
 ROUTE_SERVICE = "llmgw.v1.RouteService"
 WATCH_ROUTES_PATH = f"/{ROUTE_SERVICE}/WatchRoutes"
+#: The most lines one LogsRequest gets: the agent reads no more, and the admin API refuses a
+#: ``lines`` above it (400 naming the range).
+MAX_LOG_LINES = 10_000
 
 __all__ = [
     "CONNECT_PATH",
+    "MAX_LOG_LINES",
     "METHOD",
     "ROUTE_SERVICE",
     "SERVICE",
