@@ -19,7 +19,8 @@ of a ``ControlView`` (what the plane knows at one instant), and the writes go th
                                     "model.toml"}, the same keys as llmgw.toml's [[models]] (400
                                     naming the key and line); one change per model (created,
                                     configured, unchanged)
-    PUT  /api/models/MODEL/replicas {"replicas": N} (also POST /api/models/MODEL/scale)
+    PUT  /api/models/MODEL/replicas {"replicas": N}
+    POST /api/models/MODEL/scale    the same
     DELETE /api/models/MODEL        drain and stop MODEL's replicas, then forget it (409 for a model
                                     llmgw.toml defines, or one being deleted for a scale or apply)
     GET  /api/why/MODEL             placed and unplaced replicas of MODEL, with the reasons

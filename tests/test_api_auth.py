@@ -401,3 +401,18 @@ def test_unknown_paths_methods_and_query_parameters_are_named(app: Any) -> None:
     assert (status, doc["error"]) == (404, "no shard 's1' is placed or reported on any node")
     status, _, doc = ask("GET", "/api/nodes", b"watch=1")
     assert (status, doc["error"]) == (400, "GET /api/nodes takes no query parameter 'watch' (it takes: none)")
+
+
+def test_the_module_docstring_lists_every_route_of_the_table() -> None:
+    """``control.api``'s docstring is where a reader finds the routes: it names each route of
+    ``ROUTES`` once (NODE, MODEL and SHARD for the path's parameters), and no route the table lacks."""
+    import re
+
+    import control.api
+    from control.api import ROUTES
+
+    listed = re.findall(r"^    (GET|POST|PUT|DELETE) +(/[^\s?\[]*)", control.api.__doc__ or "", re.MULTILINE)
+    documented = sorted(
+        (method, re.sub(r"[A-Z]+", lambda m: "{" + m[0].lower() + "}", path)) for method, path in listed
+    )
+    assert documented == sorted((r.method, r.path) for r in ROUTES)
