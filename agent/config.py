@@ -1,10 +1,10 @@
 """Agent configuration: flags > environment (``LLMGW_AGENT_*``) > TOML file > defaults.
 
-Every layer is turned into plain data first, merged key by key, and structured once with cattrs into
-the frozen :class:`AgentConfig`. Each key remembers where its value came from, so a bad value fails
-at start with the key, its source (``--heartbeat-interval``, ``LLMGW_AGENT_HEARTBEAT_INTERVAL``, or
-``/etc/llmgw/agent.toml line 7``) and what was expected: an operator fixing a fleet's config should
-never have to guess which of three places holds the typo. Unknown keys are errors, not ignored.
+The frozen :class:`AgentConfig`, its rules, and :data:`SPEC` (each setting's help, how its flag's
+text is read, its default in words); reading, merging and structuring the layers is the shared
+loader's (``settings``), so a bad value fails at start with the key, its source
+(``--heartbeat-interval``, ``LLMGW_AGENT_HEARTBEAT_INTERVAL``, or ``/etc/llmgw/agent.toml line 7``)
+and what was expected, worded as every llmgw process words it. Unknown keys are errors, not ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import re
 import shlex
 import socket
 import sys
-import tomllib
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,15 +25,16 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import attrs
-import cattrs
-from cattrs.gen import make_dict_structure_fn, override
-from cattrs.v import format_exception
 
+import settings
 from agent.discovery.model import FabricAttachment
 from agent.engines import ENGINES
 from schema.ids import NODE_ID, NODE_ID_RULE
+from settings import ConfigError, FieldProblem
 from telemetry.http import parse_listen
 from telemetry.logs import LogSettings, LogSettingsError, add_log_arguments, log_settings
+
+__all__ = ["SPEC", "AgentConfig", "ConfigError", "FieldProblem", "Loaded", "load", "load_all"]
 
 ENV_PREFIX = "LLMGW_AGENT_"
 DEFAULT_CONFIG = Path("/etc/llmgw/agent.toml")
@@ -49,19 +49,6 @@ def _default_engines() -> dict[str, str]:
         "trtllm": "trtllm-serve",
         "sim": f"{shlex.quote(sys.executable)} -m agent.engines.sim",
     }
-
-
-class FieldProblem(ValueError):
-    """A rule one setting breaks, raised by a validator with the setting's path (``("server",)``,
-    ``("engines", "vlm")``).
-
-    cattrs reports an exception from ``__init__`` (where attrs runs validators) against the whole
-    class, not the key; carrying the path lets the error name the setting and where its value came
-    from, down to the line of an ``[engines]`` entry, instead of guessing from the message's words."""
-
-    def __init__(self, path: tuple[str, ...], message: str) -> None:
-        super().__init__(message)
-        self.path = path
 
 
 #: URL schemes the transport speaks (``agent.transport.client.open_stream``): HTTP/2 cleartext with
@@ -285,8 +272,8 @@ class AgentConfig:
             if problem:
                 return (
                     f"cannot write the {what} {directory} ({problem}); it was chosen by {chosen_by}: "
-                    f"make it writable for this user, or set {_flag(setting)} "
-                    f"(or {ENV_PREFIX}{setting.upper()}) to a directory that is"
+                    f"make it writable for this user, or set {SPEC.flag(setting)} "
+                    f"(or {SPEC.variable(setting)}) to a directory that is"
                 )
         return ""
 
@@ -313,14 +300,7 @@ def _write_problem(directory: Path) -> str:
     return ""
 
 
-class ConfigError(Exception):
-    """A configuration a person must fix; the message names key, source and expectation."""
-
-
 # -- the layers ----------------------------------------------------------------------------------
-
-#: Keys whose flag or environment value is not a plain scalar, and how to read it from text.
-_LIST_KEYS = {"fabrics", "labels", "engines", "engine_ports"}
 
 
 def _parse_labels(text: str) -> dict[str, str]:
@@ -366,16 +346,9 @@ def _parse_engines(text: str) -> dict[str, str]:
     return out
 
 
-def _parse_bool(text: str) -> bool:
-    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    try:
-        return words[text.strip().lower()]
-    except KeyError:
-        raise ValueError(f"expected true or false, got {text!r}") from None
-
-
+#: Settings whose flag or variable is not a plain value, and how to read it from text.
 _TEXT_PARSERS = {
-    "verify_listener": _parse_bool,
+    "verify_listener": settings.parse_bool,
     "labels": _parse_labels,
     "fabrics": _parse_fabrics,
     "engine_ports": _parse_ports,
@@ -383,103 +356,8 @@ _TEXT_PARSERS = {
 }
 
 
-def _field_names() -> list[str]:
-    return [a.name for a in attrs.fields(AgentConfig)]
-
-
-@attrs.frozen
-class Layered:
-    """The merged raw values and, per top-level key, where each came from; a file's tables also
-    give each entry's own line (``engines.vlm``), so a bad entry is reported where it is written."""
-
-    values: dict[str, Any]
-    sources: dict[str, str]
-
-
-def _toml_line(text: str, key: str) -> int | None:
-    pattern = re.compile(rf"^[ \t]*(\[\[?)?[ \t]*{re.escape(key)}[ \t]*(=|\]\]?)", re.MULTILINE)
-    m = pattern.search(text)
-    return text.count("\n", 0, m.start()) + 1 if m else None
-
-
-def _from_file(path: Path) -> Layered:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    sources = {}
-    for key, value in data.items():
-        line = _toml_line(text, key)
-        sources[key] = f"{path} line {line}" if line else str(path)
-        if line and isinstance(value, dict):
-            for sub in value:
-                sub_line = _toml_entry_line(text, line, sub)
-                if sub_line:
-                    sources[f"{key}.{sub}"] = f"{path} line {sub_line}"
-    return Layered(dict(data), sources)
-
-
-def _toml_entry_line(text: str, table_line: int, key: str) -> int | None:
-    """The line of ``key = ...`` inside the table that starts on ``table_line`` (a ``[table]``
-    header, or an inline ``table = { key = ... }`` on that line), before the next header."""
-    lines = text.splitlines()
-    entry = re.compile(
-        rf"(?:^|[{{,])[ \t]*(?:{re.escape(key)}|\"{re.escape(key)}\"|'{re.escape(key)}')[ \t]*="
-    )
-    for number in range(table_line, len(lines) + 1):
-        line = lines[number - 1]
-        if number > table_line and line.lstrip().startswith("["):
-            return None
-        if entry.search(line):
-            return number
-    return None
-
-
-def _text_value(key: str, text: str, source: str) -> Any:
-    parser = _TEXT_PARSERS.get(key)
-    if parser is None:
-        return text
-    try:
-        return parser(text)
-    except ValueError as exc:
-        raise ConfigError(f"{key} (from {source}): {exc}") from exc
-
-
-def _from_env(environ: Mapping[str, str]) -> Layered:
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    known = set(_field_names())
-    for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key not in known:
-            raise ConfigError(
-                f"{name}: unknown setting {key!r} (from the environment); known: {', '.join(sorted(known))}"
-            )
-        values[key] = _text_value(key, text, name)
-        sources[key] = name
-    return Layered(values, sources)
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line with status 2, like every other start-up mistake:
-    the agent's usage text is some twenty lines that would bury the one that says what is wrong."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
-
-
 #: One line per setting for ``--help``; the flag, the variable and the default are added from the
-#: field itself (:func:`setting_help`), so the text cannot name a variable or default that is not
+#: field itself (``Spec.help``), so the text cannot name a variable or default that is not
 #: the real one. A field without a line here fails ``build_parser``, and so the tests.
 FIELD_HELP: dict[str, str] = {
     "node_id": "this node's name in the fleet: letters, digits, '.', '_', '-'",
@@ -525,35 +403,27 @@ _DEFAULT_WORDS: dict[str, str] = {
     "engine_host": "the management address",
     "metrics_listen": "off",
     "log_max_bytes": "52428800 (50 MiB)",
+    "engine_ports": f"{PortRange().first}-{PortRange().last}",
+    # The sim's command names this interpreter: said as such, not as one machine's path.
+    "engines": ";".join(f"{k}={v}" for k, v in _default_engines().items()).replace(
+        shlex.quote(sys.executable), "THIS-PYTHON"
+    ),
 }
 
 
-def _default_text(field: attrs.Attribute[Any]) -> str:
-    """A field's default as an operator would write it in a flag."""
-    if field.name in _DEFAULT_WORDS:
-        return _DEFAULT_WORDS[field.name]
-    default: Any = field.default
-    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-        default = default.factory()
-    if default is None or default == "" or default == () or default == {}:
-        return "none"
-    if isinstance(default, bool):
-        return str(default).lower()
-    if isinstance(default, PortRange):
-        return f"{default.first}-{default.last}"
-    if isinstance(default, dict):
-        # The sim's command names this interpreter: said as such, not as one machine's path.
-        python = shlex.quote(sys.executable)
-        return ";".join(f"{k}={v}".replace(python, "THIS-PYTHON") for k, v in default.items())
-    if isinstance(default, float) and default.is_integer():
-        return str(int(default))
-    return str(default)
-
-
-def setting_help(key: str) -> str:
-    """``--help``'s line for one setting: what it is, its variable and its default."""
-    field = attrs.fields_dict(AgentConfig)[key]
-    return f"{FIELD_HELP[key]} (env {ENV_PREFIX}{key.upper()}; default {_default_text(field)})"
+def _describe(path: settings.KeyPath, message: str, sources: Mapping[str, str]) -> str:
+    """The agent's wording: ``server 'x' is not a URL; ... (server from --server)`` for a rule's
+    words that name the key, ``heartbeat_interval: invalid value ... (from agent.toml line 4)``
+    for a value of the wrong type; the source is the most precise there is (an ``[engines]``
+    entry's own line when it has one)."""
+    if not path:
+        return settings.cite(message, sources, SPEC.keys(), default="default")
+    key = str(path[0])
+    source = settings.source_of(path, sources)
+    where = f"from {source}" if source else "default"
+    if message.startswith((f"{key} ", f"{key}:")):
+        return f"{message} ({key} {where})"
+    return f"{settings.dotted(path)}: {message} ({where})"
 
 
 def agent_version() -> str:
@@ -566,163 +436,37 @@ def agent_version() -> str:
         return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    missing = [k for k in _field_names() if k not in FIELD_HELP]
-    if missing:
-        raise RuntimeError(f"agent.config.FIELD_HELP has no help for {', '.join(missing)}")
-    parser = _OneLineParser(
-        prog="python -m agent",
-        description="llmgw node agent: registers this node with the control plane and supervises engines.",
-        epilog="Precedence: flags, then the environment (LLMGW_AGENT_*), then the TOML file, then "
-        "the defaults. Every setting's file key is its flag's name with '_' for '-'.",
-    )
-    parser.add_argument("--version", action="version", version=f"llmgw-agent {agent_version()}")
-    parser.add_argument(
-        "--config",
-        type=Path,
-        help=f"TOML config file (env {ENV_PREFIX}CONFIG; default {DEFAULT_CONFIG} when present)",
-    )
-    for key in _field_names():
-        metavar = key.upper()
-        parser.add_argument(
-            _flag(key), dest=key, default=None, metavar=metavar, help=setting_help(key).replace("%", "%%")
+SPEC = settings.Spec(
+    config=AgentConfig,
+    settings={
+        key: settings.Setting(
+            help=FIELD_HELP.get(key, ""), parse=_TEXT_PARSERS.get(key), default=_DEFAULT_WORDS.get(key, "")
         )
+        for key in attrs.fields_dict(AgentConfig)
+    },
+    env_prefix=ENV_PREFIX,
+    default_file=DEFAULT_CONFIG,
+    prog="python -m agent",
+    description="llmgw node agent: registers this node with the control plane and supervises engines.",
+    epilog="Precedence: flags, then the environment (LLMGW_AGENT_*), then the TOML file, then "
+    "the defaults. Every setting's file key is its flag's name with '_' for '-'.",
+    version=lambda: f"llmgw-agent {agent_version()}",
+    describe=_describe,
+    what="the agent configuration",
+    text=True,
+)
+
+
+def setting_help(key: str) -> str:
+    """``--help``'s line for one setting: what it is, its variable and its default."""
+    return SPEC.help(key)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The agent's flags (one per setting, from :data:`SPEC`) and the log flags every process has."""
+    parser = settings.build_parser(SPEC)
     add_log_arguments(parser)
     return parser
-
-
-def _from_flags(ns: argparse.Namespace) -> Layered:
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for key in _field_names():
-        text = getattr(ns, key, None)
-        if text is not None:
-            values[key] = _text_value(key, text, _flag(key))
-            sources[key] = _flag(key)
-    return Layered(values, sources)
-
-
-def _merge(*layers: Layered) -> Layered:
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for layer in layers:
-        # A layer replaces a key's whole value, so the lines of an earlier layer's entries go too.
-        for key in layer.values:
-            sources = {k: v for k, v in sources.items() if not k.startswith(f"{key}.")}
-        values.update(layer.values)
-        sources.update(layer.sources)
-    return Layered(values, sources)
-
-
-# -- structuring ---------------------------------------------------------------------------------
-
-
-def _converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True)
-
-    def structure_path(value: Any, _: type) -> Path:
-        if not isinstance(value, str | Path) or not str(value):
-            raise ValueError(f"expected a file path, got {value!r}")
-        return Path(value)
-
-    def structure_float(value: Any, _: type) -> float:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number of seconds, got {value!r}")
-        return float(value)
-
-    def structure_int(value: Any, _: type) -> int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"expected an integer, got {value!r}")
-        return int(value)
-
-    def structure_bool(value: Any, _: type) -> bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
-        return value
-
-    def structure_str(value: Any, _: type) -> str:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a string, got {value!r}")
-        return value
-
-    conv.register_structure_hook(Path, structure_path)
-    conv.register_structure_hook(float, structure_float)
-    conv.register_structure_hook(int, structure_int)
-    conv.register_structure_hook(str, structure_str)
-    conv.register_structure_hook(bool, structure_bool)
-    conv.register_structure_hook(
-        AgentConfig,
-        make_dict_structure_fn(
-            AgentConfig, conv, _cattrs_forbid_extra_keys=True, hostname=override(omit=False)
-        ),
-    )
-    return conv
-
-
-def _field_problems(exc: BaseException) -> list[FieldProblem]:
-    """The :class:`FieldProblem` leaves of a cattrs error tree (validators run in ``__init__``)."""
-    if isinstance(exc, FieldProblem):
-        return [exc]
-    if isinstance(exc, BaseExceptionGroup):
-        return [p for sub in exc.exceptions for p in _field_problems(sub)]
-    return []
-
-
-def _describe_field(problem: FieldProblem, layered: Layered) -> str:
-    """``server 'x' is not a URL; ... (server from --server)``: the key, what is wrong, and the
-    most precise place its value came from (an ``[engines]`` entry's own line when it has one)."""
-    key = problem.path[0]
-    dotted = ".".join(problem.path)
-    source = layered.sources.get(dotted) or layered.sources.get(key)
-    return f"{problem} ({key} {f'from {source}' if source else 'default'})"
-
-
-def _describe(exc: BaseException, layered: Layered) -> list[str]:
-    problems = [_describe_field(p, layered) for p in _field_problems(exc)]
-
-    def explain(err: BaseException, type_: Any) -> str:
-        if isinstance(err, FieldProblem):
-            return ""  # described above, with its key
-        # A validator's own words say more than cattrs' generic "invalid value".
-        if (
-            isinstance(err, ValueError)
-            and str(err)
-            and not str(err).startswith(("could not convert", "invalid literal"))
-        ):
-            return str(err)
-        if typing.get_origin(type_) is Literal:
-            return f"expected one of {', '.join(map(str, typing.get_args(type_)))}"
-        return format_exception(err, type_)
-
-    for message in cattrs.transform_error(exc, path="$", format_exception=explain):
-        # "invalid value for type, expected float @ $.heartbeat_interval"
-        text, _, path = message.rpartition(" @ ")
-        if not text:
-            continue
-        key_path = path.removeprefix("$.").removeprefix("$")
-        top = re.split(r"[.\[]", key_path, maxsplit=1)[0] if key_path else ""
-        if text.startswith("extra fields found"):
-            problems.append(
-                f"{text} ({_where(top, layered) if top else 'config'}); known: {', '.join(_field_names())}"
-            )
-            continue
-        if "required field missing" in text:
-            flag = _flag(top)
-            problems.append(
-                f"{top}: required, and not set (give {flag}, {ENV_PREFIX}{top.upper()} or {top} = ... in the file)"
-            )
-            continue
-        if not top:
-            named = [k for k in _field_names() if re.search(rf"\b{k}\b", text)]
-            where = "; ".join(f"{k} {_where(k, layered)}" for k in named)
-            problems.append(f"{text} ({where})" if where else text)
-            continue
-        problems.append(f"{key_path}: {text} ({_where(top, layered)})")
-    return problems
-
-
-def _where(key: str, layered: Layered) -> str:
-    return f"from {layered.sources[key]}" if key in layered.sources else "default"
 
 
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> AgentConfig:
@@ -763,7 +507,7 @@ def default_node_id(hostname: str) -> str:
         shown = hostname[:64] if hostname else "(empty)"
         raise ConfigError(
             f"node_id: not set, and the host name {shown!r} cannot stand in for it (a node id must be "
-            f"{NODE_ID_RULE}); give --node-id, {ENV_PREFIX}NODE_ID or node_id = ... in the file"
+            f"{NODE_ID_RULE}); give --node-id, {SPEC.variable('node_id')} or node_id = ... in the file"
         )
     return hostname
 
@@ -780,44 +524,12 @@ def load_all(
         logs = log_settings(ns.log_format, ns.log_level, environ)
     except LogSettingsError as exc:
         raise ConfigError(str(exc)) from None
-    path: Path | None = ns.config or (
-        Path(environ[ENV_PREFIX + "CONFIG"]) if ENV_PREFIX + "CONFIG" in environ else None
-    )
-    if path is None and DEFAULT_CONFIG.exists():
-        path = DEFAULT_CONFIG
-    file_layer = _from_file(path) if path else Layered({}, {})
-    layered = _merge(file_layer, _from_env(environ), _from_flags(ns))
+    layered = settings.layers(SPEC, ns, environ)
     if isinstance(layered.values.get("metrics_listen"), int):
         # metrics_listen = 9101 in the file: a port alone, as the flag takes it.
         layered.values["metrics_listen"] = str(layered.values["metrics_listen"])
     if "node_id" not in layered.values:
         layered.values["node_id"] = default_node_id(hostname())
         layered.sources["node_id"] = HOST_NAME_SOURCE
-    config, sources = _structure(layered)
-    return Loaded(config, sources, logs)
-
-
-def _structure(layered: Layered) -> tuple[AgentConfig, dict[str, str]]:
-    unknown = sorted(set(layered.values) - set(_field_names()))
-    if unknown:
-        where = "; ".join(f"{k} ({_where(k, layered)})" for k in unknown)
-        raise ConfigError(f"unknown setting(s): {where}; known: {', '.join(_field_names())}")
-    conv = _converter()
-    try:
-        return conv.structure(layered.values, AgentConfig), dict(layered.sources)
-    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
-        if isinstance(exc, cattrs.BaseValidationError):
-            problems = _describe(exc, layered)
-        elif isinstance(exc, FieldProblem):
-            problems = [_describe_field(exc, layered)]
-        else:
-            text = str(exc)
-            named = [k for k in _field_names() if re.search(rf"\b{k}\b", text)]
-            problems = [
-                f"{text} ({'; '.join(f'{k} {_where(k, layered)}' for k in named)})" if named else text
-            ]
-        # As the control plane's: one problem is one line; several are one line each under a heading.
-        if len(problems) == 1:
-            raise ConfigError(problems[0]) from exc
-        heading = f"{len(problems)} problems in the agent configuration:"
-        raise ConfigError("\n  ".join([heading, *problems])) from exc
+    config: AgentConfig = settings.structure(SPEC, layered)
+    return Loaded(config, dict(layered.sources), logs)

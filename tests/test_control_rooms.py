@@ -83,7 +83,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-PACKAGES = ("schema", "transport", "telemetry", "agent", "control", "router")
+PACKAGES = ("schema", "transport", "telemetry", "settings", "agent", "control", "router")
 
 
 def test_the_import_graph_follows_the_house_plan() -> None:
@@ -113,6 +113,10 @@ def test_the_import_graph_follows_the_house_plan() -> None:
     # The shared packages serve both sides and know neither.
     assert crossing("transport", ("control", "agent", "router")) == []
     assert crossing("telemetry", ("control", "agent", "router")) == []
+    assert crossing("settings", ("control", "agent", "router")) == []
+    # One configuration loader: every process's config module uses it.
+    for module in ("agent.config", "router.config", "control.config"):
+        assert any(t.split(".")[0] == "settings" for t in graph[module]), module
 
 
 def test_the_graph_walker_sees_a_lazy_import_and_a_relative_one(tmp_path: Path) -> None:
