@@ -2,29 +2,26 @@
 
 One frozen :class:`RouterConfig` holds every setting a router runs with, whether it runs alone
 (``python -m router``, which loads it here) or inside the control plane (which builds it from
-``llmgw.toml``'s router keys). Each layer is read into plain values first and merged key by key,
-and every key remembers where its value came from, so a bad value stops the router at start with
+``llmgw.toml``'s router keys). This module holds the class, its rules and :data:`SPEC` (each
+setting's flag, help and how its text is read); the layers are read, merged and structured by the
+loader every llmgw process shares (``settings``), so a bad value stops the router at start with
 one line naming the key, its source (``--response-timeout``, ``LLMGW_ROUTER_RESPONSE_TIMEOUT``, or
-``router.toml line 7``) and what was expected, as the agent's config does (``agent/config.py``):
-an operator running several routers should never have to guess which of three places holds the
-typo. Unknown keys are errors, not ignored (with the closest known key as a hint).
+``router.toml line 7``) and what was expected. Unknown keys are errors, not ignored (with the
+closest known key as a hint).
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
-import re
-import tomllib
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 
+import settings
 from router.limits import (
     DEFAULT_CLIENT_IDLE_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -34,6 +31,7 @@ from router.limits import (
 from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
 from router.routes import parse_url
 from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
+from settings import ConfigError, FieldProblem
 from telemetry.logs import LOG_FORMAT_ENV, LOG_FORMATS, LOG_LEVEL_ENV, LOG_LEVELS, LogSettings
 from telemetry.version import version
 
@@ -42,18 +40,7 @@ ENV_PREFIX = "LLMGW_ROUTER_"
 DEFAULT_CONFIG = Path("/etc/llmgw/router.toml")
 
 
-class ConfigError(Exception):
-    """A configuration a person must fix; the message names the key, where its value came from
-    and what is expected. ``python -m router`` prints it as one line and exits with status 2."""
-
-
-class FieldProblem(ValueError):
-    """A rule one setting breaks, raised by a validator with the setting's name, so the error can
-    say where the value came from (the flag, the variable, or the file and line)."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
+__all__ = ["SPEC", "ConfigError", "FieldProblem", "Loaded", "RouterConfig", "load"]
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -277,231 +264,73 @@ _METAVARS = {
 }
 
 
-def _metavar(key: str) -> str:
-    return _METAVARS.get(key) or ("SECONDS" if _kind(key) == "float" else "N")
+def _setting(key: str) -> settings.Setting:
+    kind = str(attrs.fields_dict(RouterConfig)[key].type)  # as written: annotations are text here
+    return settings.Setting(
+        help=FIELD_HELP.get(key, ""),
+        flag=_LIST_KEYS.get(key, ""),
+        metavar=_METAVARS.get(key) or ("SECONDS" if kind == "float" else "N"),
+        parse=settings.text_parser(kind),
+        repeat=key in _LIST_KEYS,
+        switch=key in _SWITCH_KEYS,
+        secret=key in _SECRET_KEYS,
+    )
 
 
-def _field_names() -> list[str]:
-    return [a.name for a in attrs.fields(RouterConfig)]
+def _describe(path: settings.KeyPath, message: str, sources: Mapping[str, str]) -> str:
+    """The router's wording: ``response_timeout (from router.toml line 4): must be ...``."""
+    if not path:
+        return settings.cite(message, sources, SPEC.keys(), default="by default")
+    source = settings.source_of(path, sources)
+    return f"{settings.dotted(path)} ({f'from {source}' if source else 'by default'}): {message}"
 
 
-def _kind(key: str) -> str:
-    """The field's type as written in the class (``from __future__ import annotations``)."""
-    return str(attrs.fields_dict(RouterConfig)[key].type)
+SPEC = settings.Spec(
+    config=RouterConfig,
+    settings={key: _setting(key) for key in attrs.fields_dict(RouterConfig)},
+    env_prefix=ENV_PREFIX,
+    default_file=DEFAULT_CONFIG,
+    prog="python -m router",
+    description="llmgw's OpenAI-compatible router, as its own service: routes watched from the "
+    "control plane (--control URL) or a static endpoint list (--static MODEL=URL).",
+    epilog="Precedence: flags, then the environment (LLMGW_ROUTER_*), then the TOML file, then "
+    "the defaults. Every setting's file key is its variable's name after LLMGW_ROUTER_, in "
+    'lower case (api_keys = [...], static = ["MODEL=URL", ...]).',
+    version=lambda: f"llmgw router {version()}",
+    describe=_describe,
+    what="the router configuration",
+    # LLMGW_LOG_FORMAT and LLMGW_LOG_LEVEL, which every llmgw process reads (one unit file or
+    # container setting for all three); LLMGW_ROUTER_LOG_* and the flags win over them.
+    shared_env={"log_format": LOG_FORMAT_ENV, "log_level": LOG_LEVEL_ENV},
+)
 
 
 def flag(key: str) -> str:
-    return _LIST_KEYS.get(key) or "--" + key.replace("_", "-")
+    return SPEC.flag(key)
 
 
 def variable(key: str) -> str:
-    return ENV_PREFIX + key.upper()
-
-
-def _default_text(key: str) -> str:
-    default = attrs.fields_dict(RouterConfig)[key].default
-    if default is None or default == "" or default == ():
-        return "none"
-    if isinstance(default, bool):
-        return str(default).lower()
-    if isinstance(default, float) and default.is_integer():
-        return str(int(default))
-    return str(default)
+    return SPEC.variable(key)
 
 
 def setting_help(key: str) -> str:
     """``--help``'s line for one setting: what it is, its variable and its default."""
-    return f"{FIELD_HELP[key]} (env {variable(key)}; default {_default_text(key)})"
+    return SPEC.help(key)
 
 
-@attrs.frozen
-class Layered:
-    """Merged raw values and where each key's value came from."""
-
-    values: dict[str, Any]
-    sources: dict[str, str]
+def build_parser() -> argparse.ArgumentParser:
+    return settings.build_parser(SPEC)
 
 
-def _convert(key: str, value: Any, source: str) -> Any:
-    """One raw value (text from a flag or variable, or a TOML value) as the field's type; a
-    ConfigError names the key, the source and what was expected."""
-    kind = _kind(key)
-
-    def bad(expected: str) -> ConfigError:
-        shown = "(hidden)" if key in _SECRET_KEYS else repr(value)
-        return ConfigError(f"{key} (from {source}): expected {expected}, got {shown}")
-
-    if kind == "tuple[str, ...]":
-        if isinstance(value, str):
-            return tuple(p.strip() for p in value.split(",") if p.strip())
-        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        raise bad("a list of strings")
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-        if isinstance(value, str) and value.strip().lower() in words:
-            return words[value.strip().lower()]
-        raise bad("true or false")
-    if kind == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value):
-            return int(value)
-        raise bad("a whole number")
-    if kind == "float":
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise bad("a number")
-    if kind == "Path | None":
-        if isinstance(value, str) and value:
-            return Path(value)
-        raise bad("a file path")
-    if not isinstance(value, str):
-        raise bad("a string")
-    return value
-
-
-def _toml_line(text: str, key: str) -> int | None:
-    m = re.search(rf"^[ \t]*{re.escape(key)}[ \t]*=", text, re.MULTILINE)
-    return text.count("\n", 0, m.start()) + 1 if m else None
-
-
-def _unknown(key: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _field_names(), n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return ConfigError(f"{key} (from {source}): unknown setting; {hint}known: {', '.join(_field_names())}")
-
-
-def _from_file(path: Path) -> Layered:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from exc
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    known = set(_field_names())
-    for key, value in data.items():
-        line = _toml_line(text, key)
-        source = f"{path} line {line}" if line else str(path)
-        if key not in known:
-            raise _unknown(key, source)
-        values[key] = _convert(key, value, source)
-        sources[key] = source
-    return Layered(values, sources)
-
-
-def _from_env(environ: Mapping[str, str]) -> Layered:
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    known = set(_field_names())
-    for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key not in known:
-            raise _unknown(key, name)
-        values[key] = _convert(key, text, name)
-        sources[key] = name
-    return Layered(values, sources)
-
-
-def _from_flags(ns: argparse.Namespace) -> Layered:
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for key in _field_names():
-        given = getattr(ns, key, None)
-        if given is None:
-            continue
-        if key in _LIST_KEYS:
-            values[key] = tuple(given)
-        elif key in _SWITCH_KEYS:
-            values[key] = True
-        else:
-            values[key] = _convert(key, given, flag(key))
-        sources[key] = flag(key)
-    return Layered(values, sources)
-
-
-def _from_shared_env(environ: Mapping[str, str]) -> Layered:
-    """``LLMGW_LOG_FORMAT`` and ``LLMGW_LOG_LEVEL``, which every llmgw process reads (one unit
-    file or container setting for all three); ``LLMGW_ROUTER_LOG_*`` and the flags win over them."""
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for key, name in (("log_format", LOG_FORMAT_ENV), ("log_level", LOG_LEVEL_ENV)):
-        text = environ.get(name, "")
-        if text.strip():
-            values[key] = text
-            sources[key] = name
-    return Layered(values, sources)
-
-
-def _merge(*layers: Layered) -> Layered:
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for layer in layers:
-        values.update(layer.values)
-        sources.update(layer.sources)
-    return Layered(values, sources)
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line with status 2, like every other start-up mistake."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
-
-
-def build_parser(prog: str = "python -m router") -> argparse.ArgumentParser:
-    missing = [k for k in _field_names() if k not in FIELD_HELP]
-    if missing:
-        raise RuntimeError(f"router.config.FIELD_HELP has no help for {', '.join(missing)}")
-    parser = _OneLineParser(
-        prog=prog,
-        description="llmgw's OpenAI-compatible router, as its own service: routes watched from the "
-        "control plane (--control URL) or a static endpoint list (--static MODEL=URL).",
-        epilog="Precedence: flags, then the environment (LLMGW_ROUTER_*), then the TOML file, then "
-        "the defaults. Every setting's file key is its variable's name after LLMGW_ROUTER_, in "
-        'lower case (api_keys = [...], static = ["MODEL=URL", ...]).',
-    )
-    parser.add_argument("--version", action="version", version=f"llmgw router {version()}")
-    parser.add_argument(
-        "--config",
-        type=Path,
-        help=f"TOML config file (env {ENV_PREFIX}CONFIG; default {DEFAULT_CONFIG} when present)",
-    )
-    for key in _field_names():
-        text = setting_help(key).replace("%", "%%")
-        if key in _LIST_KEYS:
-            parser.add_argument(flag(key), dest=key, action="append", metavar=_metavar(key), help=text)
-        elif key in _SWITCH_KEYS:
-            parser.add_argument(flag(key), dest=key, action="store_const", const=True, help=text)
-        else:
-            parser.add_argument(flag(key), dest=key, metavar=_metavar(key), help=text)
-    return parser
-
-
-def _where(key: str, layered: Layered) -> str:
+def _where(key: str, layered: settings.Layered) -> str:
     source = layered.sources.get(key)
     return f"from {source}" if source else "by default"
 
 
-def structure(layered: Layered) -> RouterConfig:
+def structure(layered: settings.Layered) -> RouterConfig:
     """The config from merged values; a broken rule is a ConfigError naming the key and source."""
-    try:
-        return RouterConfig(**layered.values)
-    except FieldProblem as exc:
-        raise ConfigError(f"{exc.key} ({_where(exc.key, layered)}): {exc}") from None
+    config: RouterConfig = settings.structure(SPEC, layered)
+    return config
 
 
 @attrs.frozen
@@ -517,14 +346,7 @@ def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     """Parse flags, read the environment and the TOML file, and make the config of a router that
     runs alone: exactly one of ``control`` and ``static`` must be given."""
     environ = os.environ if environ is None else environ
-    ns = build_parser().parse_args(argv)
-    path: Path | None = ns.config or (
-        Path(environ[ENV_PREFIX + "CONFIG"]) if environ.get(ENV_PREFIX + "CONFIG") else None
-    )
-    if path is None and DEFAULT_CONFIG.exists():
-        path = DEFAULT_CONFIG
-    file_layer = _from_file(path) if path else Layered({}, {})
-    layered = _merge(file_layer, _from_shared_env(environ), _from_env(environ), _from_flags(ns))
+    layered = settings.layers(SPEC, build_parser().parse_args(argv), environ)
     config = structure(layered)
     if bool(config.control) == bool(config.static):
         if config.control:

@@ -49,7 +49,7 @@ def converter(*, text: bool = False) -> cattrs.Converter:
     strict(int, integral, "an integer", int)
     strict(float, numeric, "a number", float)
     strict(bool, lambda v: isinstance(v, bool), "true or false", bool)
-    strict(Path, lambda v: isinstance(v, str) and bool(v), "a file path", Path)
+    strict(Path, lambda v: isinstance(v, Path) or (isinstance(v, str) and bool(v)), "a file path", Path)
 
     def is_list(type_: Any) -> bool:
         origin, args = typing.get_origin(type_), typing.get_args(type_)
