@@ -84,18 +84,15 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
-import tomllib
-import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import cattrs
-from cattrs.errors import AttributeValidationNote, ForbiddenExtraKeysError
-from cattrs.v import format_exception
 
 import schema
+import settings
 from control.placement import engine_constraint
 from router.config import RouterConfig
 from router.limits import (
@@ -106,28 +103,18 @@ from router.limits import (
 )
 from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
 from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
+from settings import ConfigError, FieldProblem, KeyPath, dotted, line_of
 
-
-class ConfigError(Exception):
-    """A configuration a person must fix; the message names the key, the file and the line.
-
-    One problem is one line; several are one line each under a heading."""
-
-
-#: A key's place in the config: ``("models", 1, "gpus", "count")`` is ``models[1].gpus.count``.
-KeyPath = tuple[str | int, ...]
-
-
-class FieldProblem(ValueError):
-    """A rule one key breaks, raised by a validator with the key's path relative to the class.
-
-    cattrs attributes an exception from ``__init__`` (where attrs runs validators) to the whole
-    class, which would report ``lost_after = -8.0`` at the ``[liveness]`` header and a top-level
-    key at no line at all; carrying the path lets the error name the key's own line."""
-
-    def __init__(self, path: str | KeyPath, message: str) -> None:
-        super().__init__(message)
-        self.path: KeyPath = (path,) if isinstance(path, str) else path
+__all__ = [
+    "ConfigError",
+    "ControlConfig",
+    "FieldProblem",
+    "ModelConfig",
+    "dotted",
+    "line_of",
+    "load",
+    "parse",
+]
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -664,133 +651,6 @@ class ControlConfig:
         return bool(self.models) or not self.endpoints
 
 
-def _converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True)
-
-    def strict(kind: type, test: typing.Callable[[Any], bool], what: str) -> None:
-        def hook(value: Any, _: type) -> Any:
-            if not test(value):
-                raise ValueError(f"expected {what}, got {value!r}")
-            return kind(value)
-
-        conv.register_structure_hook(kind, hook)
-
-    strict(str, lambda v: isinstance(v, str), "a string")
-    strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
-    strict(float, lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number")
-    strict(bool, lambda v: isinstance(v, bool), "true or false")
-    strict(Path, lambda v: isinstance(v, str) and bool(v), "a file path")
-    return conv
-
-
-_BARE_KEY = r"[A-Za-z0-9_-]+"
-_ONE_KEY = rf"(?:{_BARE_KEY}|\"(?:[^\"\\]|\\.)*\"|'[^']*')"
-_DOTTED_KEY = rf"{_ONE_KEY}(?:[ \t]*\.[ \t]*{_ONE_KEY})*"
-_TABLE_HEADER = re.compile(rf"[ \t]*(\[\[?)[ \t]*({_DOTTED_KEY})[ \t]*\]\]?[ \t]*(?:#.*)?")
-_KEY_VALUE = re.compile(rf"[ \t]*({_DOTTED_KEY})[ \t]*=")
-
-
-def _key_parts(dotted: str) -> list[str]:
-    parts = []
-    for part in re.findall(_ONE_KEY, dotted):
-        if part[:1] == '"':
-            part = tomllib.loads(f"k = {part}")["k"]
-        elif part[:1] == "'":
-            part = part[1:-1]
-        parts.append(part)
-    return parts
-
-
-def _key_lines(text: str) -> dict[KeyPath, int]:
-    """The line of every table header and key in TOML text, by key path (array-of-table entries
-    counted, ``[models.gpus]`` under the latest ``[[models]]``). Best effort by design: the text
-    has already parsed, so this only needs to find lines, and a key it misses falls back to its
-    table's line. Keys inside inline tables resolve to the line of the key holding the table."""
-    lines: dict[KeyPath, int] = {}
-    arrays: dict[KeyPath, int] = {}  # array-of-tables path -> index of its latest entry
-    table: KeyPath = ()
-    closing = ""  # the quotes that end the multi-line string being skipped
-    for number, raw in enumerate(text.splitlines(), 1):
-        if closing:
-            if raw.count(closing) % 2:
-                closing = ""
-            continue
-        header = _TABLE_HEADER.fullmatch(raw)
-        if header:
-            parts = _key_parts(header.group(2))
-            path: KeyPath = ()
-            for i, part in enumerate(parts):
-                path = (*path, part)
-                if path in arrays and (header.group(1) == "[" or i < len(parts) - 1):
-                    path = (*path, arrays[path])
-            if header.group(1) == "[[":
-                arrays[path] = arrays.get(path, -1) + 1
-                path = (*path, arrays[path])
-            table = path
-            lines.setdefault(table, number)
-            continue
-        assignment = _KEY_VALUE.match(raw)
-        if assignment:
-            lines.setdefault((*table, *_key_parts(assignment.group(1))), number)
-            rest = raw[assignment.end() :]
-            closing = next((q for q in ('"""', "'''") if rest.count(q) % 2), "")
-    return lines
-
-
-def _line_of(lines: dict[KeyPath, int], path: KeyPath) -> int | None:
-    """The key's own line, else the line of the nearest enclosing table or key that is written."""
-    for end in range(len(path), 0, -1):
-        if path[:end] in lines:
-            return lines[path[:end]]
-    return None
-
-
-def line_of(text: str, *path: str | int, exact: bool = False) -> int | None:
-    """The line of the key at ``path`` in TOML text (or of its nearest written parent, unless
-    ``exact``), for problems found after parsing, such as an unwritable ``state_dir``; None when
-    it is not written (``exact``: also when it is written only inside an inline table)."""
-    lines = _key_lines(text)
-    return lines.get(path) if exact else _line_of(lines, path)
-
-
-def dotted(path: KeyPath) -> str:
-    """``("models", 1, "gpus", "count")`` -> ``models[1].gpus.count``."""
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            name = part if re.fullmatch(_BARE_KEY, part) else f'"{part}"'
-            out += f".{name}" if out else name
-    return out
-
-
-def _explain(err: BaseException, type_: Any) -> str:
-    if isinstance(err, ValueError) and str(err):
-        return str(err)
-    if typing.get_origin(type_) is Literal:
-        return f"expected one of {', '.join(map(str, typing.get_args(type_)))}"
-    return format_exception(err, type_)
-
-
-def _problems(exc: BaseException, path: KeyPath, type_: Any = None) -> Iterator[tuple[KeyPath, str]]:
-    """Each leaf of a cattrs error tree with the key path it belongs to."""
-    if isinstance(exc, ForbiddenExtraKeysError):
-        for extra in sorted(exc.extra_fields):
-            yield (*path, extra), "unknown key"
-    elif isinstance(exc, cattrs.ClassValidationError | cattrs.IterableValidationError):
-        with_notes, without = exc.group_exceptions()
-        for sub, note in with_notes:
-            step = note.name if isinstance(note, AttributeValidationNote) else note.index
-            yield from _problems(sub, (*path, step), note.type)
-        for sub in without:
-            yield from _problems(sub, path)
-    elif isinstance(exc, FieldProblem):
-        yield (*path, *exc.path), str(exc)
-    else:
-        yield path, _explain(exc, type_)
-
-
 def _describe(path: KeyPath, message: str, source: str, lines: dict[KeyPath, int]) -> str:
     """One line: the key, what is wrong with it, the file and the key's own line. A message that
     begins with the key's name ("lost_after must be ...") reads on from the table's path."""
@@ -799,35 +659,32 @@ def _describe(path: KeyPath, message: str, source: str, lines: dict[KeyPath, int
         text = f"{dotted(path[:-1])}.{message}" if len(path) > 1 else message
     else:
         text = f"{dotted(path) or 'config'}: {message}"
-    line = _line_of(lines, path)
+    line = settings.nearest_line(lines, path)
     return f"{text} ({source}{f' line {line}' if line else ''})"
+
+
+def _structure(data: object, cls: type[Any], text: str, source: str, what: str) -> Any:
+    """``data`` (parsed from ``text``) as ``cls``; every problem names its key and the key's line
+    in ``source``, in the order of the file."""
+    try:
+        return settings.converter().structure(data, cls)
+    except (cattrs.BaseValidationError, ValueError) as exc:
+        lines = settings.key_lines(text)
+        found = sorted(settings.problems(exc), key=lambda p: settings.nearest_line(lines, p[0]) or 0)
+        raise settings.config_error([_describe(path, m, source, lines) for path, m in found], what) from exc
 
 
 def parse(text: str, source: str = "<config>") -> ControlConfig:
     """Structure TOML text into a ControlConfig; every problem names its key and the key's line."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
-    try:
-        return _converter().structure(data, ControlConfig)
-    except (cattrs.BaseValidationError, ValueError) as exc:
-        lines = _key_lines(text)
-        found = sorted(_problems(exc, ()), key=lambda p: _line_of(lines, p[0]) or 0)
-        problems = [_describe(path, message, source, lines) for path, message in found]
-        if len(problems) == 1:
-            raise ConfigError(problems[0]) from exc
-        heading = f"{len(problems)} problems in the control plane configuration:"
-        raise ConfigError("\n  ".join([heading, *problems])) from exc
+    config: ControlConfig = _structure(
+        settings.parse(text, source), ControlConfig, text, source, "the control plane configuration"
+    )
+    return config
 
 
 def read(path: Path) -> str:
     """The config file's text, or a ConfigError that names the file and why it cannot be read."""
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"{path}: cannot read the config file: {reason}") from exc
+    return settings.read_text(path)
 
 
 def load(path: Path) -> ControlConfig:
@@ -848,11 +705,8 @@ def parse_models(text: str, source: str = "<models>") -> tuple[ModelConfig, ...]
     """The ``[[models]]`` tables of TOML text (``ctl apply -f``), checked as ``llmgw.toml``'s are:
     every problem names its key and the key's line in ``source``. Any other top-level key is refused,
     naming it: server settings live in the control plane's own llmgw.toml, not in an apply."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
-    lines = _key_lines(text)
+    data = settings.parse(text, source)
+    lines = settings.key_lines(text)
     others = sorted(k for k in data if k != "models")
     if others:
         line = lines.get((others[0],))
@@ -867,24 +721,18 @@ def parse_models(text: str, source: str = "<models>") -> tuple[ModelConfig, ...]
         )
     if not data.get("models"):
         raise ConfigError(f"{source}: no [[models]] table; write one or more, as in llmgw.toml")
-    try:
-        return _converter().structure(data, ModelsFile).models
-    except (cattrs.BaseValidationError, ValueError) as exc:
-        found = sorted(_problems(exc, ()), key=lambda p: _line_of(lines, p[0]) or 0)
-        problems = [_describe(path, message, source, lines) for path, message in found]
-        if len(problems) == 1:
-            raise ConfigError(problems[0]) from exc
-        heading = f"{len(problems)} problems in {source}:"
-        raise ConfigError("\n  ".join([heading, *problems])) from exc
+    models: ModelsFile = _structure(data, ModelsFile, text, source, source)
+    return models.models
 
 
 def model_from_dict(data: object, where: str) -> ModelConfig:
     """A model definition kept as a plain document (the control plane's state file), checked as
     the file's are; ``ValueError`` naming ``where`` and the key when it is not one."""
     try:
-        return _converter().structure(data, ModelConfig)
+        model: ModelConfig = settings.converter().structure(data, ModelConfig)
+        return model
     except (cattrs.BaseValidationError, ValueError) as exc:
-        found = [f"{dotted(path) or 'model'}: {message}" for path, message in _problems(exc, ())]
+        found = [f"{dotted(path) or 'model'}: {message}" for path, message in settings.problems(exc)]
         raise ValueError(f"{where}: {'; '.join(found)}") from exc
 
 
