@@ -22,7 +22,7 @@ from settings.layered import (
     source_of,
     structure,
 )
-from settings.problems import ConfigError, FieldProblem, KeyPath, config_error, dotted, explain, problems
+from settings.problems import ConfigError, FieldProblem, KeyPath, config_error, dotted, problems
 from settings.toml import key_lines, line_of, nearest_line, parse, read_text
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "config_error",
     "converter",
     "dotted",
-    "explain",
     "key_lines",
     "layers",
     "line_of",

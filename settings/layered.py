@@ -81,8 +81,6 @@ class Spec:
     #: Variables every llmgw process reads (``LLMGW_LOG_FORMAT``), below this process's own: key
     #: -> variable.
     shared_env: Mapping[str, str] = attrs.field(factory=dict)
-    #: The converter, when the class needs hooks of its own; None: :func:`converter`.
-    make_converter: Callable[[], cattrs.Converter] | None = None
 
     def keys(self) -> list[str]:
         return [a.name for a in attrs.fields(self.config)]
@@ -303,9 +301,8 @@ def structure(spec: Spec, layered: Layered) -> Any:
             ],
             spec.what,
         )
-    conv = spec.make_converter() if spec.make_converter else converter(text=spec.text)
     try:
-        return conv.structure(layered.values, spec.config)
+        return converter(text=spec.text).structure(layered.values, spec.config)
     except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
         lines = []
         for path, message in problems(exc):
