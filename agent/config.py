@@ -416,8 +416,6 @@ def _describe(path: settings.KeyPath, message: str, sources: Mapping[str, str]) 
     words that name the key, ``heartbeat_interval: invalid value ... (from agent.toml line 4)``
     for a value of the wrong type; the source is the most precise there is (an ``[engines]``
     entry's own line when it has one)."""
-    if not path:
-        return settings.cite(message, sources, SPEC.keys(), default="default")
     key = str(path[0])
     source = settings.source_of(path, sources)
     where = f"from {source}" if source else "default"
@@ -452,6 +450,7 @@ SPEC = settings.Spec(
     "the defaults. Every setting's file key is its flag's name with '_' for '-'.",
     version=lambda: f"llmgw-agent {agent_version()}",
     describe=_describe,
+    unset="default",
     what="the agent configuration",
     text=True,
 )

@@ -277,14 +277,6 @@ def _setting(key: str) -> settings.Setting:
     )
 
 
-def _describe(path: settings.KeyPath, message: str, sources: Mapping[str, str]) -> str:
-    """The router's wording: ``response_timeout (from router.toml line 4): must be ...``."""
-    if not path:
-        return settings.cite(message, sources, SPEC.keys(), default="by default")
-    source = settings.source_of(path, sources)
-    return f"{settings.dotted(path)} ({f'from {source}' if source else 'by default'}): {message}"
-
-
 SPEC = settings.Spec(
     config=RouterConfig,
     settings={key: _setting(key) for key in attrs.fields_dict(RouterConfig)},
@@ -297,7 +289,6 @@ SPEC = settings.Spec(
     "the defaults. Every setting's file key is its variable's name after LLMGW_ROUTER_, in "
     'lower case (api_keys = [...], static = ["MODEL=URL", ...]).',
     version=lambda: f"llmgw router {version()}",
-    describe=_describe,
     what="the router configuration",
     # LLMGW_LOG_FORMAT and LLMGW_LOG_LEVEL, which every llmgw process reads (one unit file or
     # container setting for all three); LLMGW_ROUTER_LOG_* and the flags win over them.

@@ -28,9 +28,15 @@ from settings import toml
 from settings.convert import converter
 from settings.problems import ConfigError, KeyPath, config_error, dotted, problems
 
-#: A process's wording of one problem: (key path, what is wrong, key -> where its value came from)
-#: -> the line it prints. A path of ``()`` is a rule across keys whose words name them.
+#: A process's wording of one problem about a key: (key path, what is wrong, key -> where its value
+#: came from) -> the line it prints.
 Describe = Callable[[KeyPath, str, Mapping[str, str]], str]
+
+
+def key_first(path: KeyPath, message: str, sources: Mapping[str, str]) -> str:
+    """The usual wording: ``response_timeout (from router.toml line 4): must be ...``."""
+    source = source_of(path, sources)
+    return f"{dotted(path)} ({f'from {source}' if source else 'by default'}): {message}"
 
 
 @attrs.frozen(kw_only=True)
@@ -72,7 +78,9 @@ class Spec:
     epilog: str
     #: What ``--version`` prints (called when the parser is built: it may read package metadata).
     version: Callable[[], str]
-    describe: Describe
+    describe: Describe = key_first
+    #: How a key left at its default is said where a rule across keys names it.
+    unset: str = "by default"
     #: The heading of several problems: "N problems in {what}:".
     what: str
     #: Numbers in the merged values may still be text (the flags' and variables' words go to the
@@ -307,6 +315,9 @@ def structure(spec: Spec, layered: Layered) -> Any:
         lines = []
         for path, message in problems(exc):
             key = str(path[0]) if path else ""
+            if not path:  # a rule across keys: its words name them
+                lines.append(cite(message, layered.sources, known, default=spec.unset))
+                continue
             if key in spec.settings and message == "required field missing":
                 lines.append(
                     f"{key}: required, and not set (give {spec.flag(key)}, {spec.variable(key)} or "

@@ -6,7 +6,6 @@ test_control_config."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -40,13 +39,6 @@ class Demo:
             raise ValueError(f"count ({self.count}) over 10 needs wait of 1 or more ({self.wait:g})")
 
 
-def describe(path: settings.KeyPath, message: str, sources: Mapping[str, str]) -> str:
-    if not path:
-        return settings.cite(message, sources, SPEC.keys(), default="by default")
-    source = settings.source_of(path, sources)
-    return f"{settings.dotted(path)} ({f'from {source}' if source else 'by default'}): {message}"
-
-
 SPEC = settings.Spec(
     config=Demo,
     settings={
@@ -66,7 +58,6 @@ SPEC = settings.Spec(
     description="a stand-in",
     epilog="",
     version=lambda: "demo 1",
-    describe=describe,
     what="the demo configuration",
 )
 
