@@ -20,7 +20,6 @@ import functools
 import itertools
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import attrs
 import trio
 
 import schema
+import statefile
 from agent.discovery.model import GpuUsage
 from agent.engines import ProfileRefused
 from agent.metrics import AgentMetrics
@@ -68,22 +68,10 @@ def write_credential(state_dir: Path, node_id: str, credential: str) -> None:
     losing it means the node can only join again after an operator's ``ctl node reset``.
 
     Blocks: call it from a worker thread."""
-    path = state_dir / CREDENTIAL_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, json.dumps({"node_id": node_id, "credential": credential}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    statefile.write_atomic(
+        state_dir / CREDENTIAL_FILE, json.dumps({"node_id": node_id, "credential": credential}), mode=0o600
+    )
 
 
 class RegisterRefused(Exception):

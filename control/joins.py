@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 from pathlib import Path
 
 import trio
+
+import statefile
 
 #: The cluster join token, in the control plane's state directory.
 JOIN_TOKEN_FILE = "join-token"
@@ -47,24 +48,6 @@ def new_secret() -> str:
 def same_secret(given: str, expected: str) -> bool:
     """Constant-time comparison of two secrets (their length is not secret)."""
     return hmac.compare_digest(given.encode(), expected.encode())
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically and durably, mode 0600 from the first byte."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # an older leftover of the temporary file may have had another mode
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class JoinBook:
@@ -101,7 +84,7 @@ class JoinBook:
             token = token_path.read_text().strip()
         except FileNotFoundError:
             token = new_secret()
-            _write_private(token_path, token + "\n")
+            statefile.write_atomic(token_path, token + "\n", mode=0o600)
             created = True
         if not token:
             raise ValueError(f"{token_path} is empty; delete it to have a new join token created")
@@ -173,7 +156,9 @@ class JoinBook:
             return True
 
     def _save(self, bindings: dict[str, str]) -> None:
-        _write_private(self.credentials_path, json.dumps(bindings, sort_keys=True, indent=1) + "\n")
+        statefile.write_atomic(
+            self.credentials_path, json.dumps(bindings, sort_keys=True, indent=1) + "\n", mode=0o600
+        )
 
 
 __all__ = ["CREDENTIALS_FILE", "JOIN_TOKEN_FILE", "JoinBook", "new_secret", "same_secret"]

@@ -37,6 +37,7 @@ import attrs
 import trio
 
 import schema
+import statefile
 from control.agentsvc import AgentService
 from control.api import serve_api
 from control.catalog import Action, Catalog, Change
@@ -92,15 +93,10 @@ def load_shard_key_secret(state_dir: Path) -> bytes:
     path = state_dir / SHARD_KEY_SECRET
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            with open(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+        if not path.exists():
+            # Made whole or not at all (a crash cannot leave half a secret), never over one that a
+            # racing start made first.
+            statefile.write_atomic(path, secrets.token_hex(32) + "\n", mode=0o600, replace=False)
         text = path.read_text().strip()
     except OSError as exc:
         raise OSError(

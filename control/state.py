@@ -36,6 +36,7 @@ import trio
 from cattrs.gen import make_dict_unstructure_fn, override
 
 import schema
+import statefile
 from control.catalog import Catalog, Entry, Source
 from control.config import model_from_dict, model_to_dict
 from control.fleet import Cordon, Node, NodeState
@@ -230,17 +231,9 @@ def write_state(path: Path, doc: Mapping[str, Any]) -> None:
     plane would come back with an older fleet, drains and cordons forgotten.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(doc, sort_keys=True))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    # 0600: the file holds node inventories and credential digests; an older file left 0644 is
+    # replaced by one that is not.
+    statefile.write_atomic(path, json.dumps(doc, sort_keys=True), mode=0o600)
 
 
 class StateSaver:

@@ -35,6 +35,7 @@ from pathlib import Path
 import attrs
 
 import schema
+import statefile
 from schema.ids import shard_id_problem
 
 
@@ -119,17 +120,8 @@ class RecordStore:
 
     def save(self, record: ShardRecord) -> None:
         """Atomically and durably: once this returns, a crash at any instant leaves this record."""
-        path = self.path(record.shard_id)
-        tmp = path.with_name(path.name + ".tmp")
-        # 0600 from the first byte (records hold the shard's key: see the module docstring).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.fchmod(fd, 0o600)  # a leftover .tmp of another mode keeps its mode through O_CREAT
-        with open(fd, "w") as f:
-            f.write(record.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self._sync_dir()
+        # 0600 (records hold the shard's key: see the module docstring).
+        statefile.write_atomic(self.path(record.shard_id), record.to_json(), mode=0o600)
 
     def remove(self, shard_id: str) -> None:
         self.path(shard_id).unlink(missing_ok=True)
@@ -140,18 +132,12 @@ class RecordStore:
         os.replace(loaded.path, bad)
         return bad
 
-    def _sync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def load_all(self) -> list[LoadedRecord]:
         """Every ``*.json`` file, read or with the reason it could not be; leftover temporary files
         of a write a crash interrupted are removed (the record they were replacing still stands)."""
         loaded = []
-        for tmp in self.dir.glob("*.json.tmp"):
+        # pathlib's "*" matches the hidden ".ID.json.tmp" (and an older version's "ID.json.tmp").
+        for tmp in self.dir.glob(f"*.json{statefile.TEMP_SUFFIX}"):
             tmp.unlink(missing_ok=True)
         for path in sorted(self.dir.glob("*.json")):
             shard_id = path.name.removesuffix(".json")
