@@ -60,15 +60,15 @@ from control.query import ControlView, DrainRefused, JoinSecrets, engine_views
 from control.reconcile import Drain, Reconciler, Start, Stop, adopted_placements, drain_verdict
 from control.rollout import (
     Decision,
+    RolloutGoal,
     Rollouts,
     RolloutStatus,
-    Target,
     observed_view,
     recovered,
     revision,
     status_of,
 )
-from control.routes import route_table
+from control.routetable import route_table
 from control.routewatch import RouteWatch
 from control.state import STATE_FILE, SavedState, StateFileError, StateSaver, read_state, set_aside
 from control.transport import ServerLimits, ServerTLS, StreamServer
@@ -474,8 +474,8 @@ class ControlPlane:
             cached = self._revisions[model.name] = (model, revision(model))
         return cached[1]
 
-    def _target(self, model: ModelConfig) -> Target:
-        return Target(
+    def _rollout_goal(self, model: ModelConfig) -> RolloutGoal:
+        return RolloutGoal(
             model.name,
             model.replicas,
             self.revision_of(model),
@@ -507,11 +507,11 @@ class ControlPlane:
         failures = self.reconciler.failures
         decisions = {}
         for name, model in self.models.items():
-            target = self._target(model)
+            goal = self._rollout_goal(model)
             nodes = self.fleet.nodes
-            views = [observed_view(r, nodes, failures, target.revision) for r in by_model.get(name, ())]
+            views = [observed_view(r, nodes, failures, goal.revision) for r in by_model.get(name, ())]
             decisions[name] = self.rollouts.decide(
-                target, views, ready_timeout=model.ready_timeout, now=now, taken=reported.get(name, ())
+                goal, views, ready_timeout=model.ready_timeout, now=now, taken=reported.get(name, ())
             )
         self.rollouts.forget(self.models)
         for gone in [n for n in self._revisions if n not in self.models]:
@@ -530,13 +530,13 @@ class ControlPlane:
             unplaced.setdefault(u.model, {})[u.replica_id] = u.reason
         out = {}
         for name, model in self.models.items():
-            target = self._target(model)
+            goal = self._rollout_goal(model)
             nodes = self.fleet.nodes
-            views = [observed_view(r, nodes, failures, target.revision) for r in placed.get(name, ())]
+            views = [observed_view(r, nodes, failures, goal.revision) for r in placed.get(name, ())]
             failure = self.rollouts.failure(name)
             generation = generations.get(name, 0)
             mine = unplaced.get(name, {})
-            out[name] = status_of(target, views, mine, failure=failure, generation=generation)
+            out[name] = status_of(goal, views, mine, failure=failure, generation=generation)
             before = self.rollout_status.get(name)
             now = out[name]
             if before is not None and (before.phase, before.revision) != (now.phase, now.revision):
@@ -756,7 +756,7 @@ class ControlPlane:
     # -- the service --------------------------------------------------------------------------------
 
     def build_routes(self) -> None:
-        """Rebuild the router's table (``control.routes.route_table``) from the placements and the
+        """Rebuild the router's table (``control.routetable.route_table``) from the placements and the
         fleet; the one place it is rebuilt, after every reconcile pass. A model being deleted is
         left out: new requests for it are answered 404 while its engines finish what they have."""
         self._routes = route_table(

@@ -110,7 +110,7 @@ class Phase(enum.StrEnum):
 
 
 @attrs.frozen
-class Target:
+class RolloutGoal:
     """What the model asks for: ``replicas`` replicas of ``revision``, rolled out within these bounds."""
 
     name: str
@@ -157,44 +157,44 @@ def _by_index(name: str, ids: Collection[str]) -> list[str]:
 
 
 def decide(
-    target: Target, replicas: Sequence[ReplicaView], *, failure: str = "", taken: Collection[str] = ()
+    goal: RolloutGoal, replicas: Sequence[ReplicaView], *, failure: str = "", taken: Collection[str] = ()
 ) -> Decision:
-    """The replicas ``target`` wants now, from those placed (see the module docstring).
+    """The replicas ``goal`` wants now, from those placed (see the module docstring).
 
-    ``failure``: the rollout of ``target.revision`` failed earlier (what ``Rollouts`` remembers);
+    ``failure``: the rollout of ``goal.revision`` failed earlier (what ``Rollouts`` remembers);
     ``taken``: replica ids agents still report for the model (not reused for new replicas).
     """
-    n = target.replicas
+    n = goal.replicas
     if n == 0:
         failure = ""  # a model scaled to zero or deleted: everything goes, failed rollout or not
-    new = [r for r in replicas if r.revision == target.revision]
-    old = [r for r in replicas if r.revision != target.revision]
+    new = [r for r in replicas if r.revision == goal.revision]
+    old = [r for r in replicas if r.revision != goal.revision]
     if old and not failure:
-        failure = next((r.failure for r in _by_view(target.name, new) if r.failure and not r.ready), "")
+        failure = next((r.failure for r in _by_view(goal.name, new) if r.failure and not r.ready), "")
     if failure and old:
         # Stopped: everything old stays, the updated replicas that serve stay, the others go.
         keep = [r for r in new if r.ready and not r.failure]
         abandoned = [r.replica_id for r in new if r not in keep]
         return Decision(
-            old=tuple(_by_index(target.name, [r.replica_id for r in old])),
-            new=tuple(_by_index(target.name, [r.replica_id for r in keep])),
-            abandoned=tuple(_by_index(target.name, abandoned)),
+            old=tuple(_by_index(goal.name, [r.replica_id for r in old])),
+            new=tuple(_by_index(goal.name, [r.replica_id for r in keep])),
+            abandoned=tuple(_by_index(goal.name, abandoned)),
             failure=failure,
         )
     # A scale down of the updated replicas: the ones not ready first, then the highest index.
-    new_ids = [r.replica_id for r in _retire_order(target.name, new)]
+    new_ids = [r.replica_id for r in _retire_order(goal.name, new)]
     excess = max(0, len(new) - n)
     dropped, new_ids = new_ids[:excess], new_ids[excess:]
     new = [r for r in new if r.replica_id in new_ids]
 
     retired: list[str] = []
-    min_ready = n - target.max_unavailable
+    min_ready = n - goal.max_unavailable
     new_unready = sum(1 for r in new if not r.ready)
     # Old replicas beyond what the surge allows go whatever their readiness (a scale down mid-rollout).
-    over = max(0, len(old) + len(new) - (n + target.max_surge))
+    over = max(0, len(old) + len(new) - (n + goal.max_surge))
     room = max(0, len(old) + len(new) - min_ready - new_unready)
     ready = sum(1 for r in (*old, *new) if r.ready)
-    for r in _retire_order(target.name, old):
+    for r in _retire_order(goal.name, old):
         if over > 0:
             over -= 1
         elif room > 0 and (not r.ready or ready - 1 >= min_ready):
@@ -207,19 +207,19 @@ def decide(
 
     wanted_new = list(new_ids)
     used = {r.replica_id for r in replicas} | set(taken)
-    add = min(n - len(wanted_new), n + target.max_surge - len(kept_old) - len(wanted_new))
+    add = min(n - len(wanted_new), n + goal.max_surge - len(kept_old) - len(wanted_new))
     index = 0
     while add > 0:
-        rid = f"{target.name}-r{index}"
+        rid = f"{goal.name}-r{index}"
         if rid not in used:
             wanted_new.append(rid)
             used.add(rid)
             add -= 1
         index += 1
     return Decision(
-        old=tuple(_by_index(target.name, kept_old)),
-        new=tuple(_by_index(target.name, wanted_new)),
-        retired=tuple(_by_index(target.name, [*retired, *dropped])),
+        old=tuple(_by_index(goal.name, kept_old)),
+        new=tuple(_by_index(goal.name, wanted_new)),
+        retired=tuple(_by_index(goal.name, [*retired, *dropped])),
     )
 
 
@@ -267,7 +267,7 @@ class RolloutStatus:
 
 
 def status_of(
-    target: Target,
+    goal: RolloutGoal,
     placed: Sequence[ReplicaView],
     unplaced: Mapping[str, str],
     *,
@@ -276,11 +276,11 @@ def status_of(
 ) -> RolloutStatus:
     """The rollout's status after a pass: ``placed`` the model's placed replicas, ``unplaced``
     replica id -> placement's reason for the wanted ones it could not place."""
-    new = [r for r in placed if r.revision == target.revision]
-    old = [r for r in placed if r.revision != target.revision]
+    new = [r for r in placed if r.revision == goal.revision]
+    old = [r for r in placed if r.revision != goal.revision]
     new_ready = sum(1 for r in new if r.ready)
     ready = sum(1 for r in placed if r.ready)
-    n = target.replicas
+    n = goal.replicas
     if failure and old:
         phase, reason = Phase.FAILED, failure
     elif not old and len(new) == n and new_ready == n and not unplaced:
@@ -288,15 +288,15 @@ def status_of(
     else:
         phase = Phase.PROGRESSING
         parts = [f"{rid} cannot be placed: {why}" for rid, why in sorted(unplaced.items())]
-        waiting = [r.replica_id for r in _by_view(target.name, new) if not r.ready]
+        waiting = [r.replica_id for r in _by_view(goal.name, new) if not r.ready]
         if waiting:
             parts.append(f"waiting for {', '.join(waiting)} to be ready")
         if old:
             parts.append(f"{len(old)} old replica(s) to replace")
         reason = "; ".join(parts)
     return RolloutStatus(
-        target.name,
-        target.revision,
+        goal.name,
+        goal.revision,
         generation,
         n,
         len(new),
@@ -389,7 +389,7 @@ class Rollouts:
 
     def decide(
         self,
-        target: Target,
+        goal: RolloutGoal,
         replicas: Sequence[ReplicaView],
         *,
         ready_timeout: float,
@@ -398,20 +398,20 @@ class Rollouts:
     ) -> Decision:
         """``decide`` with this model's memory: a new revision forgets the last one's failure, and
         a new replica not ready ``ready_timeout`` seconds after it was first seen placed fails."""
-        mem = self.memory.setdefault(target.name, _Memory())
-        if mem.revision != target.revision:
-            mem.revision, mem.failure, mem.placed_at = target.revision, "", {}
+        mem = self.memory.setdefault(goal.name, _Memory())
+        if mem.revision != goal.revision:
+            mem.revision, mem.failure, mem.placed_at = goal.revision, "", {}
         placed_ids = {r.replica_id for r in replicas}
         for rid in [rid for rid in mem.placed_at if rid not in placed_ids]:
             del mem.placed_at[rid]
         views = []
         for r in replicas:
-            if r.revision == target.revision:
+            if r.revision == goal.revision:
                 since = mem.placed_at.setdefault(r.replica_id, now)
                 if not r.ready and not r.failure and now - since >= ready_timeout:
                     r = attrs.evolve(r, failure=f"{r.replica_id} not ready within {ready_timeout:g} s")
             views.append(r)
-        decision = decide(target, views, failure=mem.failure, taken=taken)
+        decision = decide(goal, views, failure=mem.failure, taken=taken)
         mem.failure = decision.failure
         return decision
 
@@ -431,9 +431,9 @@ __all__ = [
     "Decision",
     "Phase",
     "ReplicaView",
+    "RolloutGoal",
     "RolloutStatus",
     "Rollouts",
-    "Target",
     "decide",
     "observed_view",
     "recovered",

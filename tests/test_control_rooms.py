@@ -19,7 +19,7 @@ import schema
 from control.config import parse
 from control.fleet import Cordon, Fleet, NodeState
 from control.placement import Plan, ReplicaPlacement, ShardAssignment, Unplaced
-from control.routes import route_table
+from control.routetable import route_table
 from control.state import SavedState, StateFileError, keyless, parse_state, state_doc
 from router.routes import ModelRoutes
 
@@ -94,7 +94,13 @@ def test_the_import_graph_follows_the_house_plan() -> None:
     assert "control.plane" not in reachable(graph, "control.api")
     assert "control.query" in graph["control.api"]
     # The pure rooms know nothing of the plane either.
-    for room in ("control.routes", "control.state", "control.query", "control.placement", "control.fleet"):
+    for room in (
+        "control.routetable",
+        "control.state",
+        "control.query",
+        "control.placement",
+        "control.fleet",
+    ):
         assert "control.plane" not in reachable(graph, room), room
 
     def crossing(src: str, dst: tuple[str, ...]) -> list[str]:

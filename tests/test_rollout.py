@@ -24,8 +24,8 @@ from control.placement import GpuView, ModelSpec, NodeView, ReplicaPlacement, pl
 from control.rollout import (
     Phase,
     ReplicaView,
+    RolloutGoal,
     Rollouts,
-    Target,
     decide,
     revision,
     spec_matches,
@@ -99,7 +99,7 @@ def test_rollout_settings_are_checked_naming_the_key(table: str, message: str) -
 
 
 def test_surge_one_unavailable_zero_adds_a_new_replica_and_drains_an_old_one_only_once_it_is_ready() -> None:
-    t = Target("chat", 2, NEW, max_surge=1, max_unavailable=0)
+    t = RolloutGoal("chat", 2, NEW, max_surge=1, max_unavailable=0)
     old = [view("chat-r0"), view("chat-r1")]
     # Step 1: one new replica beside the two old ones (index 2: r0 and r1 are taken).
     d = decide(t, old)
@@ -130,7 +130,7 @@ def test_every_step_keeps_the_ready_count_and_the_total_within_bounds() -> None:
         (3, 1, 1),
         (4, 2, 2),
     ]:
-        t = Target("m", n, NEW, surge, unavailable)
+        t = RolloutGoal("m", n, NEW, surge, unavailable)
         placed = {f"m-r{i}": view(f"m-r{i}") for i in range(n)}
         for _ in range(4 * n + 4):
             d = decide(t, list(placed.values()))
@@ -146,15 +146,15 @@ def test_every_step_keeps_the_ready_count_and_the_total_within_bounds() -> None:
 
 
 def test_new_ids_skip_those_agents_still_report() -> None:
-    t = Target("chat", 1, NEW)
+    t = RolloutGoal("chat", 1, NEW)
     d = decide(t, [view("chat-r0")], taken=["chat-r0", "chat-r1", "chat-r3"])
     assert d.new == ("chat-r2",)
-    assert decide(Target("chat", 2, NEW), []).new == ("chat-r0", "chat-r1")
+    assert decide(RolloutGoal("chat", 2, NEW), []).new == ("chat-r0", "chat-r1")
 
 
 def test_unavailable_one_retires_an_old_replica_first() -> None:
     """No surge (a fleet without spare GPUs): an old replica goes, then its replacement comes."""
-    t = Target("chat", 2, NEW, max_surge=0, max_unavailable=1)
+    t = RolloutGoal("chat", 2, NEW, max_surge=0, max_unavailable=1)
     old = [view("chat-r0"), view("chat-r1")]
     d = decide(t, old)
     assert (d.old, d.new, d.retired) == (("chat-r0",), ("chat-r2",), ("chat-r1",))
@@ -166,23 +166,23 @@ def test_unavailable_one_retires_an_old_replica_first() -> None:
 
 
 def test_old_replicas_that_do_not_serve_go_first() -> None:
-    t = Target("chat", 2, NEW)
+    t = RolloutGoal("chat", 2, NEW)
     d = decide(t, [view("chat-r0", ready=False), view("chat-r1"), view("chat-r2", NEW)])
     assert d.retired == ("chat-r0",) and d.old == ("chat-r1",)
 
 
 def test_a_scale_down_drops_the_highest_or_the_unready() -> None:
-    t = Target("chat", 1, NEW)
+    t = RolloutGoal("chat", 1, NEW)
     assert decide(t, [view("chat-r0", NEW), view("chat-r1", NEW)]).retired == ("chat-r1",)
     d = decide(t, [view("chat-r0", NEW, ready=False), view("chat-r1", NEW)])
     assert (d.new, d.retired) == (("chat-r1",), ("chat-r0",))
     # To zero (ctl delete): everything goes, old and new, a failed rollout or not.
-    d = decide(Target("chat", 0, NEW), [view("chat-r0"), view("chat-r1", NEW)], failure="x failed")
+    d = decide(RolloutGoal("chat", 0, NEW), [view("chat-r0"), view("chat-r1", NEW)], failure="x failed")
     assert d.wanted == () and set(d.retired) == {"chat-r0", "chat-r1"} and not d.failure
 
 
 def test_a_failing_new_replica_stops_the_rollout_and_frees_its_gpus() -> None:
-    t = Target("chat", 2, NEW)
+    t = RolloutGoal("chat", 2, NEW)
     old = [view("chat-r0"), view("chat-r1")]
     failing = view("chat-r2", NEW, ready=False, failure="chat-r2-s0-abcdef on gpu07 failed: exit 1")
     d = decide(t, [*old, failing])
@@ -198,7 +198,7 @@ def test_a_failing_new_replica_stops_the_rollout_and_frees_its_gpus() -> None:
 
 def test_the_memory_times_out_a_new_replica_and_forgets_the_failure_with_a_new_revision() -> None:
     rollouts = Rollouts()
-    t = Target("chat", 1, NEW)
+    t = RolloutGoal("chat", 1, NEW)
     old = view("chat-r0")
     assert rollouts.decide(t, [old], ready_timeout=60, now=0).new == ("chat-r1",)
     loading = view("chat-r1", NEW, ready=False)
@@ -208,7 +208,7 @@ def test_the_memory_times_out_a_new_replica_and_forgets_the_failure_with_a_new_r
     assert rollouts.failure("chat") == d.failure
     assert rollouts.decide(t, [old], ready_timeout=60, now=72).new == ()
     # The old definition applied back: the old replica is current again, and that is complete.
-    back = Target("chat", 1, OLD)
+    back = RolloutGoal("chat", 1, OLD)
     d = rollouts.decide(back, [old], ready_timeout=60, now=73)
     assert (d.old, d.new, d.failure) == ((), ("chat-r0",), "")
     # The new one again: starts over, a fresh replica id.
@@ -216,7 +216,7 @@ def test_the_memory_times_out_a_new_replica_and_forgets_the_failure_with_a_new_r
 
 
 def test_status_words() -> None:
-    t = Target("chat", 2, NEW)
+    t = RolloutGoal("chat", 2, NEW)
     s = status_of(t, [view("chat-r0"), view("chat-r1"), view("chat-r2", NEW, ready=False)], {}, generation=3)
     assert (s.phase, s.updated, s.updated_ready, s.ready, s.old, s.observed_generation) == (
         Phase.PROGRESSING, 1, 0, 2, 2, 3,
@@ -234,7 +234,7 @@ def test_status_words() -> None:
 def test_ctl_rollout_lines_read_like_kubectl() -> None:
     from control.ctl import rollout_line
 
-    t = Target("chat", 2, NEW)
+    t = RolloutGoal("chat", 2, NEW)
 
     def line(placed: list[ReplicaView], unplaced: dict[str, str] | None = None, **kw: Any) -> tuple[str, str]:
         doc = status_of(t, placed, unplaced or {}, generation=2, **kw).to_doc(kw.pop("generation", 2))
@@ -310,7 +310,7 @@ def test_a_draining_engine_gets_no_new_request_even_with_nothing_else_ready() ->
     wants any more is still the fallback until it is drained."""
     from control.fleet import Fleet
     from control.placement import ShardAssignment
-    from control.routes import route_table
+    from control.routetable import route_table
 
     m = model()
 
