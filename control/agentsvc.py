@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import trio
@@ -58,6 +59,22 @@ MAX_TEXT = 16 * 1024
 #: Output tail lines, engine arguments and environment entries of one shard.
 MAX_LINES = 256
 
+#: Value ranges (see ``register_problem``): each bound is far above any machine that exists, and
+#: far below what would overflow a sum or mislead placement. A GPU index is below ``MAX_GPUS``, not
+#: below the number of GPUs listed: discovery skips a GPU that NVML cannot read (``agent.discovery
+#: .nvml``) and a static inventory may list a node's GPUs by their own indices, so gaps are real.
+MAX_PORT = 65535
+#: Per GPU: 16 TiB (the largest GPU today has 288 GB; 56 times that).
+MAX_GPU_MEMORY_MIB = 16 << 20
+#: Per node: 1 PiB of host memory (the largest single systems today have 32 TiB).
+MAX_NODE_MEMORY_MIB = 1 << 30
+#: CPUs per node (Linux builds for at most 8192).
+MAX_CPUS = 1 << 16
+#: An InfiniBand HCA port number is one byte.
+MAX_HCA_PORT = 255
+#: ``major.minor``, each one or two digits ("9.0", "12.1"; "0.0" or empty: unknown).
+COMPUTE_CAPABILITY = re.compile(r"(?:[0-9]{1,2}\.[0-9]{1,2})?")
+
 
 def _text_problem(field: str, value: str, limit: int) -> str:
     if len(value) > limit:
@@ -71,6 +88,65 @@ def _count_problem(field: str, count: int, limit: int) -> str:
     return ""
 
 
+def _range_problem(field: str, value: int, low: int, high: int, unit: str = "") -> str:
+    if not low <= value <= high:
+        return f"{field} is {value}{unit}; expected {low}-{high}{unit}"
+    return ""
+
+
+def gpu_usage_problem(usage: Sequence[schema.GpuUsage], field: str) -> str:
+    """Why GPU figures of a Heartbeat are out of range; empty when they are not."""
+    checks = [_count_problem(field, len(usage), MAX_GPUS)]
+    for i, u in enumerate(usage):
+        checks += [
+            _range_problem(f"{field}[{i}].index", u.index, 0, MAX_GPUS - 1),
+            _range_problem(f"{field}[{i}].memory_used_mib", u.memory_used_mib, 0, MAX_GPU_MEMORY_MIB, " MiB"),
+            _range_problem(f"{field}[{i}].utilization_percent", u.utilization_percent, 0, 100, "%"),
+        ]
+    return next((c for c in checks if c), "")
+
+
+def _values_problem(reg: schema.Register) -> str:
+    """Why a Register's numbers are out of range (see the bounds above); empty when they are not."""
+    checks = [
+        _range_problem("cpu_count", reg.cpu_count, 0, MAX_CPUS),
+        _range_problem("memory_total_mib", reg.memory_total_mib, 0, MAX_NODE_MEMORY_MIB, " MiB"),
+    ]
+    ports = reg.engine_ports
+    # Absent or all zero (proto3's default): the node states no range, the control plane's applies.
+    if ports is not None and (ports.first or ports.last):
+        checks += [
+            _range_problem("engine_ports.first", ports.first, 1, MAX_PORT),
+            _range_problem("engine_ports.last", ports.last, 1, MAX_PORT),
+        ]
+        if ports.first > ports.last:
+            checks.append(f"engine_ports is {ports.first}-{ports.last}; the first port is above the last")
+    seen: set[int] = set()
+    for i, g in enumerate(reg.gpus):
+        checks += [
+            _range_problem(f"gpus[{i}].index", g.index, 0, MAX_GPUS - 1),
+            _range_problem(f"gpus[{i}].memory_total_mib", g.memory_total_mib, 0, MAX_GPU_MEMORY_MIB, " MiB"),
+            _range_problem(f"gpus[{i}].memory_used_mib", g.memory_used_mib, 0, MAX_GPU_MEMORY_MIB, " MiB"),
+            _range_problem(f"gpus[{i}].utilization_percent", g.utilization_percent, 0, 100, "%"),
+            *(
+                _range_problem(f"gpus[{i}].nvlink_peers[{j}]", peer, 0, MAX_GPUS - 1)
+                for j, peer in enumerate(g.nvlink_peers)
+            ),
+        ]
+        if g.index in seen:
+            checks.append(f"gpus[{i}].index is {g.index}, which an earlier GPU has; indices are unique")
+        seen.add(g.index)
+        if not COMPUTE_CAPABILITY.fullmatch(g.compute_capability):
+            checks.append(
+                f"gpus[{i}].compute_capability is {peer_text(g.compute_capability[:16])}; "
+                "expected major.minor with at most two digits each, like 9.0"
+            )
+    checks += [
+        _range_problem(f"fabrics[{i}].port", f.port, 0, MAX_HCA_PORT) for i, f in enumerate(reg.fabrics)
+    ]
+    return next((c for c in checks if c), "")
+
+
 def shard_status_problem(st: schema.ShardStatus, field: str) -> str:
     """Why a ShardStatus (in a Register, or on its own) is out of bounds; empty when it is not."""
     problem = shard_id_problem(st.shard_id)
@@ -80,6 +156,7 @@ def shard_status_problem(st: schema.ShardStatus, field: str) -> str:
         _text_problem(f"{field}.node_id", st.node_id, MAX_NAME),
         _text_problem(f"{field}.replica_id", st.replica_id, MAX_NAME),
         _text_problem(f"{field}.error", st.error, MAX_TEXT),
+        _range_problem(f"{field}.http_port", st.http_port, 0, MAX_PORT),
         _count_problem(f"{field}.output_tail", len(st.output_tail), MAX_LINES),
         *(_text_problem(f"{field}.output_tail[{i}]", t, MAX_TEXT) for i, t in enumerate(st.output_tail)),
     ]
@@ -91,6 +168,12 @@ def shard_status_problem(st: schema.ShardStatus, field: str) -> str:
             _text_problem(f"{field}.spec.master_addr", spec.master_addr, MAX_NAME),
             _text_problem(f"{field}.spec.api_key", spec.api_key, MAX_NAME),
             _count_problem(f"{field}.spec.gpu_indices", len(spec.gpu_indices), MAX_GPUS),
+            *(
+                _range_problem(f"{field}.spec.gpu_indices[{j}]", index, 0, MAX_GPUS - 1)
+                for j, index in enumerate(spec.gpu_indices)
+            ),
+            _range_problem(f"{field}.spec.http_port", spec.http_port, 0, MAX_PORT),
+            _range_problem(f"{field}.spec.master_port", spec.master_port, 0, MAX_PORT),
         ]
         profile = spec.profile
         if profile is not None:
@@ -166,7 +249,7 @@ def register_problem(reg: schema.Register) -> str:
             _text_problem(f"engines[{i}].version", e.version, MAX_NAME),
             _text_problem(f"engines[{i}].error", e.error, MAX_TEXT),
         ]
-    problem = next((c for c in checks if c), "")
+    problem = next((c for c in checks if c), "") or _values_problem(reg)
     if problem:
         return problem
     return next(
@@ -402,7 +485,7 @@ class AgentService:
                 issued = ""
             now = self.clock()
             if msg.heartbeat is not None:
-                problem = _count_problem("Heartbeat.gpus", len(msg.heartbeat.gpus), MAX_GPUS)
+                problem = gpu_usage_problem(msg.heartbeat.gpus, "Heartbeat.gpus")
                 if problem:
                     raise RpcError(Code.INVALID_ARGUMENT, f"{node_id}: {problem}")
                 self.on_transitions(self.fleet.heartbeat(node_id, msg.heartbeat, now))

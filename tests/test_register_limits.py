@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 import schema
-from control.agentsvc import MAX_GPUS, MAX_LABELS, MAX_NAME, MAX_SHARDS
+from control.agentsvc import MAX_GPUS, MAX_LABELS, MAX_NAME, MAX_SHARDS, gpu_usage_problem
 from tests.fleet_procs import ControlProcess, catalog, poll
 from tests.support import rss_kib
 
@@ -171,3 +171,100 @@ def test_a_heartbeat_over_the_gpu_limit_ends_the_stream(cp: ControlProcess) -> N
     assert "Heartbeat.gpus has 30000 entries; at most 64" in (ended.value.details() or "")
     # It joined (the join token, a credential issued), and then the heartbeat was not believed.
     assert replies[0].ack is not None and replies[0].ack.ok and replies[0].ack.node_credential
+
+
+def _in_range(token: str, **changes: object) -> schema.Register:
+    """A Register a real 4-GPU node could send (GPU 2 skipped by discovery: indices have gaps),
+    joining with ``token``; ``changes`` replace its fields, ``gpu0`` the first GPU's."""
+    gpus = [_gpu(i) for i in (0, 1, 3)]
+    gpu0 = changes.pop("gpu0", None)
+    if isinstance(gpu0, dict):
+        for name, value in gpu0.items():
+            setattr(gpus[0], name, value)
+    reg = schema.Register(
+        node_id="n1",
+        hostname="h",
+        token=token,
+        gpus=gpus,
+        cpu_count=224,
+        memory_total_mib=2 << 20,
+        engine_ports=schema.PortRange(first=8000, last=8999),
+        fabrics=[schema.FabricAttachment(fabric="ib0", hca="mlx5_0", port=1)],
+    )
+    for name, value in changes.items():
+        setattr(reg, name, value)
+    return reg
+
+
+OUT_OF_RANGE: list[tuple[str, dict[str, object], str, str]] = [
+    # The issue's Register, one value at a time: each was accepted and kept.
+    ("port 0", {"engine_ports": schema.PortRange(first=0, last=65535)}, "engine_ports.first is 0", "1-65535"),
+    (
+        "port 65536",
+        {"engine_ports": schema.PortRange(first=8000, last=65536)},
+        "engine_ports.last",
+        "1-65535",
+    ),
+    (
+        "ports reversed",
+        {"engine_ports": schema.PortRange(first=9000, last=8000)},
+        "engine_ports",
+        "9000-8000",
+    ),
+    ("gpu index", {"gpu0": {"index": 2**31 - 1}}, "gpus[0].index is 2147483647", f"0-{MAX_GPUS - 1}"),
+    ("gpu index twice", {"gpu0": {"index": 3}}, "gpus[2].index is 3", "unique"),
+    ("gpu memory", {"gpu0": {"memory_total_mib": 2**63 - 1}}, "gpus[0].memory_total_mib", str(16 << 20)),
+    ("capability", {"gpu0": {"compute_capability": "99999.9"}}, "gpus[0].compute_capability", "major.minor"),
+    ("nvlink peer", {"gpu0": {"nvlink_peers": [1, 1000]}}, "gpus[0].nvlink_peers[1]", "1000"),
+    ("utilization", {"gpu0": {"utilization_percent": 101}}, "gpus[0].utilization_percent", "0-100%"),
+    ("node memory", {"memory_total_mib": 2**63 - 1}, "memory_total_mib", str(1 << 30)),
+    ("cpus", {"cpu_count": 2**32 - 1}, "cpu_count", "65536"),
+    (
+        "hca port",
+        {"fabrics": [schema.FabricAttachment(fabric="ib0", hca="mlx5_0", port=70000)]},
+        "fabrics[0].port",
+        "255",
+    ),
+    (
+        "shard port",
+        {"shards": [schema.ShardStatus(shard_id="lim-r0-s0", replica_id="lim-r0", http_port=70000)]},
+        "shards[0].http_port",
+        "0-65535",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", OUT_OF_RANGE, ids=[c[0] for c in OUT_OF_RANGE])
+def test_a_register_with_a_value_out_of_range_is_refused_naming_the_field(
+    cp: ControlProcess, case: tuple[str, dict[str, object], str, str]
+) -> None:
+    """With the join token, so that only the value stands between it and a node the fleet keeps."""
+    _, changes, field, expected = case
+    text = _refused(cp.agent_port, _in_range(cp.join_token(), **changes), field, expected)
+    assert "\n" not in text
+    assert cp.api("/api/nodes") == []
+
+
+def test_a_register_in_range_is_kept_with_its_values(cp: ControlProcess) -> None:
+    """The bounds refuse nothing a real node sends: a GPU skipped by discovery (indices 0, 1, 3),
+    an H200's memory, capability 10.0 (Blackwell), the full port range."""
+    reg = _in_range(
+        cp.join_token(),
+        gpu0={"memory_total_mib": 143771, "compute_capability": "10.0", "nvlink_peers": [1, 3]},
+        engine_ports=schema.PortRange(first=1, last=65535),
+    )
+    replies, error = _send(cp.agent_port, reg)
+    assert replies and replies[0].ack is not None and replies[0].ack.ok, (replies, error)
+    nodes = poll("the node listed", lambda: cp.api("/api/nodes") or None)
+    assert [n["node_id"] for n in nodes] == ["n1"]
+
+
+def test_heartbeat_gpu_figures_have_the_same_ranges() -> None:
+    ok = [schema.GpuUsage(index=3, memory_used_mib=143771, utilization_percent=100)]
+    assert gpu_usage_problem(ok, "Heartbeat.gpus") == ""
+    for usage, field in [
+        (schema.GpuUsage(index=2**31 - 1), "Heartbeat.gpus[0].index is 2147483647"),
+        (schema.GpuUsage(memory_used_mib=2**63 - 1), "Heartbeat.gpus[0].memory_used_mib"),
+        (schema.GpuUsage(utilization_percent=250), "Heartbeat.gpus[0].utilization_percent is 250%"),
+    ]:
+        assert field in gpu_usage_problem([usage], "Heartbeat.gpus")
