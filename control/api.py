@@ -82,6 +82,7 @@ from control.fleetmetrics import FleetMetrics
 from control.notfound import unknown_model, unknown_node
 from control.placement import model_name_of
 from control.query import CatalogConflict, Change, ControlQuery, ControlView, DrainRefused, engine_views
+from control.routetable import serving_replicas
 from control.transport import ServerTLS
 
 log = logging.getLogger("llmgw.control.api")
@@ -215,6 +216,7 @@ def replicas_doc(view: ControlView) -> list[dict[str, Any]]:
                 _shard_doc(view, status.shard_id, node.node_id, status, now, shape, placed=False)
             )
     out = []
+    serving = serving_replicas(view.placements, view.nodes)
     replica_ids = [r.replica_id for r in view.placements]
     by_id = {r.replica_id: r for r in view.placements}
     for rid in [*replica_ids, *sorted(set(leaving) - set(replica_ids))]:
@@ -236,7 +238,9 @@ def replicas_doc(view: ControlView) -> list[dict[str, Any]]:
         if replica is None:
             state = "draining"
         else:
-            state = "ready" if all(s["state"] == "ready" for s in shards) else "not ready"
+            # Ready while the router may send it traffic (control.routetable): its placed shards
+            # serve, or its old engine does while the new placement loads (that row says draining).
+            state = "ready" if rid in serving else "not ready"
         out.append(
             {
                 "model": model,

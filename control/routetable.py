@@ -17,11 +17,14 @@ written once:
   when nothing else is ready, so a drain moves traffic as soon as the replacement is up and not
   before.
 - Static ``[[endpoints]]`` are appended to their model's upstreams.
+
+Status follows the same rules (``serving_replicas``): a replica is ready while the router may send
+it traffic, so ``ctl get models`` never shows fewer ready replicas than engines serve.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 import schema
@@ -54,20 +57,12 @@ def route_table(
     placements = tuple(placements)
     unplaced = tuple(unplaced)
     table: dict[str, ModelRoutes] = {}
-    placed = {(s.node_id, s.shard_id) for r in placements for s in r.shards}
+    placed = _placed_keys(placements)
     for model in models:
         ready: list[Upstream] = []
         leaving: list[Upstream] = []
         for replica in placements:
-            if replica.model != model.name or not replica.shards:
-                continue
-            holders = [nodes.get(s.node_id) for s in replica.shards]
-            if any(n is None or n.state is NodeState.LOST for n in holders):
-                continue
-            statuses = [
-                n.shards.get(s.shard_id) if n else None for n, s in zip(holders, replica.shards, strict=True)
-            ]
-            if not all(st is not None and st.state in _SERVING for st in statuses):
+            if replica.model != model.name or not _placed_serves(replica, nodes):
                 continue
             leader = min(replica.shards, key=lambda s: s.node_rank)
             node = nodes[leader.node_id]
@@ -76,9 +71,19 @@ def route_table(
                 f"http://{node.register.mgmt_addr}:{leader.port}",
                 api_key=key_for(leader.shard_id, model.profile.engine),
             )
-            is_leaving = any(n is not None and n.draining for n in holders)
+            is_leaving = any(nodes[s.node_id].draining for s in replica.shards)
             (leaving if is_leaving else ready).append(upstream)
-        leaving.extend(_unplaced_engines(model, nodes, placed, key_for))
+        for node, st, spec in _unplaced_serving(nodes, placed):
+            if model_name_of(st.replica_id) != model.name:
+                continue
+            engine = spec.profile.engine if spec.profile else model.profile.engine
+            leaving.append(
+                Upstream(
+                    st.replica_id,
+                    f"http://{node.register.mgmt_addr}:{spec.http_port}",
+                    api_key=key_for(st.shard_id, engine),
+                )
+            )
         reasons = [u.reason for u in unplaced if u.model == model.name]
         reason = reasons[0] if reasons else f"no replica of {model.name} is ready yet"
         table[model.served_name] = ModelRoutes(tuple(ready or leaving), reason)
@@ -92,12 +97,30 @@ def route_table(
     return MappingProxyType(table)
 
 
-def _unplaced_engines(
-    model: ModelConfig, nodes: Mapping[str, Node], placed: set[tuple[str, str]], key_for: KeyFor
-) -> list[Upstream]:
-    """Serving single-node engines of ``model`` that no placement accounts for: still the fallback
-    until their replacement is ready (the reconciler stops them then)."""
-    out = []
+def _placed_keys(placements: Iterable[ReplicaPlacement]) -> set[tuple[str, str]]:
+    return {(s.node_id, s.shard_id) for r in placements for s in r.shards}
+
+
+def _placed_serves(replica: ReplicaPlacement, nodes: Mapping[str, Node]) -> bool:
+    """Every shard of the placed replica last reported READY, and none is on a lost node."""
+    if not replica.shards:
+        return False
+    for shard in replica.shards:
+        node = nodes.get(shard.node_id)
+        if node is None or node.state is NodeState.LOST:
+            return False
+        status = node.shards.get(shard.shard_id)
+        if status is None or status.state not in _SERVING:
+            return False
+    return True
+
+
+def _unplaced_serving(
+    nodes: Mapping[str, Node], placed: set[tuple[str, str]]
+) -> Iterator[tuple[Node, schema.ShardStatus, schema.StartShard]]:
+    """Serving single-node engines that no placement accounts for (the old copy of a replica
+    moving off a drained or returning node, before it is drained): still the fallback until their
+    replacement is ready (the reconciler stops them then)."""
     for node in nodes.values():
         if node.state is NodeState.LOST:
             continue
@@ -108,18 +131,21 @@ def _unplaced_engines(
                 or st.state not in _SERVING
                 or spec is None
                 or max(spec.nnodes, 1) > 1
-                or model_name_of(st.replica_id) != model.name
             ):
                 continue
-            engine = spec.profile.engine if spec.profile else model.profile.engine
-            out.append(
-                Upstream(
-                    st.replica_id,
-                    f"http://{node.register.mgmt_addr}:{spec.http_port}",
-                    api_key=key_for(st.shard_id, engine),
-                )
-            )
-    return out
+            yield node, st, spec
 
 
-__all__ = ["KeyFor", "route_table"]
+def serving_replicas(placements: Iterable[ReplicaPlacement], nodes: Mapping[str, Node]) -> frozenset[str]:
+    """The replica ids ``route_table`` gives an upstream, preferred or fallback: those whose placed
+    shards all serve, and those with a READY engine no placement accounts for.
+
+    Status is told from this (``control.api``): a replica whose old engine serves while its new
+    placement loads is ready, as the router sees it, not "not ready" for the second it takes."""
+    placements = tuple(placements)
+    ids = {r.replica_id for r in placements if _placed_serves(r, nodes)}
+    ids.update(st.replica_id for _, st, _ in _unplaced_serving(nodes, _placed_keys(placements)))
+    return frozenset(ids)
+
+
+__all__ = ["KeyFor", "route_table", "serving_replicas"]

@@ -7,6 +7,7 @@ own loopback address as mgmt_addr (127.0.0.1-3), so master addresses and engine 
 from __future__ import annotations
 
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -425,3 +426,63 @@ ports = "21000-21099"
         cp.terminate()
         if agent is not None:
             agent.stop_all()
+
+
+def test_ready_replicas_never_drop_during_a_drain_while_engines_serve(tmp_path: Path) -> None:
+    """Both replicas of chat on gpu02, whose replacements take 2 s to load: while gpu02 drains, the
+    old engines serve until the new ones are ready, so the model is 2/2 ready at every instant, as
+    `ctl get models` and the API say (it showed 0 for about a second: a replica counted only its
+    newly placed, still loading shards). The old engines' rows say draining meanwhile."""
+    fleet = Fleet(tmp_path, "s", LAYOUT_A, chat_load_seconds=2.0)
+    fleet.start(only={"gpu02"})
+    try:
+        chat = CHAT.format(tag="s")
+        poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
+        fleet.start()
+        poll(
+            "gpu01 and gpu03 ready",
+            lambda: sum(n["state"] == "ready" for n in fleet.cp.api("/api/nodes")) == 3,
+        )
+        # Sampled as fast as the API answers (ctl renders these documents), from before the drain to
+        # after it: each sample the model's ready count and how many old engines were listed draining.
+        samples: list[tuple[int, int]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            with httpx.Client(base_url=f"http://127.0.0.1:{fleet.cp.api_port}", timeout=15) as api:
+                while not done.is_set():
+                    [model] = [m for m in api.get("/api/models").json() if m["model"] == chat]
+                    shards = [
+                        s for r in api.get("/api/replicas").json() if r["model"] == chat for s in r["shards"]
+                    ]
+                    old = sum(1 for s in shards if not s["placed"] and s["state"] == "draining")
+                    samples.append((model["replicas_ready"], old))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        seen_by_ctl: list[str] = []
+        try:
+            assert fleet.cp.ctl("drain", "gpu02").returncode == 0
+            while True:
+                got = fleet.cp.ctl("get", "models")
+                assert got.returncode == 0, got.stderr
+                # NAME READY PLACED WANTED: READY as kubectl writes it, "2/2".
+                seen_by_ctl.append(
+                    next(line.split()[1] for line in got.stdout.splitlines() if line.startswith(chat))
+                )
+                placed = fleet.placed_shards(chat)
+                if all(s["node_id"] != "gpu02" and s["state"] == "ready" for s in placed) and not any(
+                    s["node_id"] == "gpu02" for r in fleet.replicas(chat) for s in r["shards"]
+                ):
+                    break
+                assert len(seen_by_ctl) < 200, seen_by_ctl
+        finally:
+            done.set()
+            sampler.join(timeout=30)
+        middle = [ready for ready, old in samples if old]
+        print(f"{len(samples)} samples, {len(middle)} while old engines drained; ctl said {seen_by_ctl}")
+        assert middle, "no sample caught the old engines listed as draining"
+        assert min(ready for ready, _ in samples) == 2, samples
+        assert set(seen_by_ctl) == {"2/2"}, seen_by_ctl
+    finally:
+        fleet.stop()
