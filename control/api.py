@@ -34,7 +34,8 @@ of a ``ControlView`` (what the plane knows at one instant), and the writes go th
     GET  /api/drain/NODE            what still runs on NODE, and where each replacement stands
     POST /api/uncordon/NODE         undo a cordon or a drain (replicas already moved stay moved)
     GET  /api/token                 the cluster join token agents join with (a secret: admin only)
-    POST /api/reset/NODE            forget NODE's credential: it joins again with the join token
+    POST /api/reset/NODE            forget NODE's credential: it joins again with the join token; a
+                                    lost NODE is forgotten too, with the shards it last reported
     GET  /                          the fleet page for a browser (``control.page``: how it authenticates)
     GET  /fleet                     the page's live part, an HTML fragment its script fetches every 2 s
     GET  /metrics                   the fleet's Prometheus metrics (``control.fleetmetrics``)
@@ -63,6 +64,7 @@ import ipaddress
 import json
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -77,7 +79,7 @@ import schema
 from control import page
 from control.config import AdminApi, ConfigError, parse_models
 from control.events import Event
-from control.fleet import LIVE_SHARD_STATES, Node
+from control.fleet import LIVE_SHARD_STATES, Node, NodeState
 from control.fleetmetrics import FleetMetrics
 from control.notfound import unknown_model, unknown_node
 from control.placement import model_name_of
@@ -164,13 +166,27 @@ def _shard_doc(
     node = view.nodes.get(node_id)
     failures, retry = view.backoff(node_id, shard_id) if placed else (0, None)
     state = schema.ShardState(status.state).name.lower() if status else "pending"
-    if not placed and state == "ready":
+    reported, note = state, ""
+    if node is not None and node.state is NodeState.LOST:
+        # Nothing reaches the node: what runs there is unknown, only what it last said and when.
+        seen = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(view.wall - (now - node.last_heartbeat)))
+        state = "unknown"
+        note = (
+            f"node lost: last seen {seen}, not reachable; it last reported {reported}. Listed until "
+            f"the node returns and stops it, or `ctl node reset {node_id}` forgets the node"
+        )
+    elif not placed and state == "ready":
         state = "draining"  # serving until its replacement is ready, then drained or stopped
     return {
         "shard_id": shard_id,
         "node_id": node_id,
         "node_state": node.state.value if node else "unknown",
         "state": state,
+        # The state its agent last reported (``state`` is "unknown" while the node is lost), when
+        # the node was last heard from, and what that means for this shard.
+        "reported": reported,
+        "last_seen_s_ago": round(now - node.last_heartbeat, 1) if node else None,
+        "note": note,
         #: False for an engine no placement wants any more that still runs (the old copy of a
         #: replica moving off a drained or returning node): listed until it stops.
         "placed": placed,
@@ -236,7 +252,9 @@ def replicas_doc(view: ControlView) -> list[dict[str, Any]]:
             shards.append(_shard_doc(view, shard.shard_id, shard.node_id, observed, now, shape, placed=True))
         model = replica.model if replica else model_name_of(rid)
         if replica is None:
-            state = "draining"
+            # Engines no placement wants: drained by their agents, or unknown on a lost node.
+            old = leaving.get(rid, [])
+            state = "lost" if old and all(s["node_state"] == "lost" for s in old) else "draining"
         else:
             # Ready while the router may send it traffic (control.routetable): its placed shards
             # serve, or its old engine does while the new placement loads (that row says draining).
@@ -275,7 +293,7 @@ def models_doc(
     ``replicas_of_view``: the view's ``replicas_doc``, when the caller has built it already."""
     if replicas_of_view is None:
         replicas_of_view = replicas_doc(view)
-    replicas = [r for r in replicas_of_view if r["state"] != "draining"]
+    replicas = [r for r in replicas_of_view if r["state"] not in ("draining", "lost")]
     out = []
     for name in sorted(view.models):
         cfg = view.models[name]
@@ -973,7 +991,10 @@ async def _reset(req: Request) -> Any:
     forgotten = await joins.reset(node_id)
     if forgotten:
         log.info("node %r: credential forgotten by an admin; it joins again with the join token", node_id)
-    return {"node_id": node_id, "forgotten": forgotten}
+    # A lost node goes from the fleet too, with what it last reported (kubectl's delete node):
+    # nothing can reach its engines, the operator says they are gone.
+    removed = await req.query.forget_lost(node_id)
+    return {"node_id": node_id, "forgotten": forgotten, "removed": removed}
 
 
 _FLAG = functools.partial(Param, flag=True, default=False)

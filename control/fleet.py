@@ -205,10 +205,35 @@ class Fleet:
             return [self._move(node, NodeState.UNREACHABLE, now, f"stream closed: {reason}")]
         return []
 
-    def restore(self, registers: Iterable[schema.Register], now: float, grace: float) -> list[Transition]:
+    def restore(
+        self,
+        registers: Iterable[schema.Register],
+        now: float,
+        grace: float,
+        lost: Iterable[tuple[schema.Register, float]] = (),
+    ) -> list[Transition]:
         """After a control plane restart: nodes known before are unreachable until they re-register,
-        and are not lost before ``grace`` has passed (``since`` is set so that lost_after ends then)."""
+        and are not lost before ``grace`` has passed (``since`` is set so that lost_after ends then).
+
+        ``lost``: nodes that were lost already, each with how many seconds before ``now`` it was
+        last heard from. They come back lost, with the shards they last reported: what is known of
+        engines that may still run there, until the node registers again or is forgotten."""
         out = []
+        for reg, ago in lost:
+            node = Node(reg.node_id, reg, NodeState.LOST, now, now, connected=False)
+            node.shards = {s.shard_id: s for s in reg.shards}
+            self.nodes[reg.node_id] = node
+            self._apply_cordon(node)
+            ago = max(ago, 0.0)
+            out.append(
+                self._move(
+                    node,
+                    NodeState.LOST,
+                    now,
+                    f"lost before the control plane restarted; last heard from {ago:.0f} s ago",
+                )
+            )
+            node.since = node.last_heartbeat = now - ago
         for reg in registers:
             node = Node(reg.node_id, reg, NodeState.UNREACHABLE, now, now, connected=False)
             node.shards = {s.shard_id: s for s in reg.shards}
@@ -219,6 +244,18 @@ class Fleet:
             )
             node.lost_deadline = now + grace
         return out
+
+    def forget(self, node_id: str) -> bool:
+        """Forget a lost node and what it last reported (``ctl node reset``, as ``kubectl delete
+        node``): nothing can reach its engines to stop them, and an operator says they are gone.
+        A node that is not lost is kept (False): its agent would report it again at once. Should it
+        come back, it registers as a new node and its leftovers are stopped as any others are."""
+        node = self.nodes.get(node_id)
+        if node is None or node.state is not NodeState.LOST:
+            return False
+        del self.nodes[node_id]
+        self.generation += 1
+        return True
 
     def tick(self, now: float) -> list[Transition]:
         """Apply the timeouts; call it periodically and after anything that may have changed."""

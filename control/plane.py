@@ -351,6 +351,20 @@ class ControlPlane:
         self.poke()
         return lines
 
+    async def forget_lost(self, node_id: str) -> bool:
+        """Forget a lost node and the shards it last reported (``control.fleet.Fleet.forget``); on
+        disk before it returns. False (nothing changed) for a node that is not lost."""
+        node = self.fleet.nodes.get(node_id)
+        shards = sorted(node.shards) if node is not None else []
+        if not self.fleet.forget(node_id):
+            return False
+        what = f"its last reported shards ({', '.join(shards)})" if shards else "nothing ran there"
+        log.info("node %s: lost, forgotten by an admin: %s", node_id, what)
+        self._event(Kind.OPERATOR, node_id, old="lost", new="forgotten", reason=f"reset by an admin: {what}")
+        await self.save()
+        self.poke()
+        return True
+
     # -- the catalog: ctl apply, scale, delete, and the file on SIGHUP --------------------------------
 
     def _log_changes(self, changes: list[Change], why: str) -> None:
@@ -701,7 +715,13 @@ class ControlPlane:
             self.placements,
             self.fleet.cordons,
             self.catalog,
+            wall_of=self.wall_of,
         )
+
+    def wall_of(self, t: float) -> float:
+        """Unix time of ``t`` on the plane's monotonic clock (for people and the state file only:
+        liveness is never judged on it)."""
+        return self.wall_clock() - (self.clock() - t)
 
     async def save_now(self) -> None:
         """Write what a restart needs, now, and return once it is on disk (fsynced).
@@ -743,11 +763,14 @@ class ControlPlane:
             # The saved catalog, then the file's [[models]] by the file rule (control.catalog).
             self.catalog = Catalog(saved.catalog)
             self._log_changes(self.catalog.apply_file(self.config.models), "file")
-        self._transitions(self.fleet.restore(saved.registers, self.clock(), self.config.liveness.grace))
+        now = self.clock()
+        lost = [(reg, self.wall_clock() - seen) for reg, seen in saved.lost]
+        self._transitions(self.fleet.restore(saved.registers, now, self.config.liveness.grace, lost))
         self.placements = saved.placements
         log.info(
-            "restored %d node(s), %d placement(s) and %d cordon(s) from %s",
-            len(saved.registers),
+            "restored %d node(s) (%d of them lost), %d placement(s) and %d cordon(s) from %s",
+            len(saved.registers) + len(saved.lost),
+            len(saved.lost),
             len(self.placements),
             len(self.fleet.cordons),
             self.state_file,
@@ -879,6 +902,7 @@ class PlaneQuery:
             events=plane.events,
             catalog=MappingProxyType({e.name: e for e in plane.catalog.entries()}),
             rollouts=MappingProxyType(plane.rollout_status),
+            wall=plane.wall_clock(),
         )
 
     async def request_logs(
@@ -898,6 +922,9 @@ class PlaneQuery:
 
     def joins(self) -> JoinSecrets | None:
         return self._plane.agents.joins
+
+    async def forget_lost(self, node_id: str) -> bool:
+        return await self._plane.forget_lost(node_id)
 
     async def apply_models(self, models: list[ModelConfig]) -> list[Change]:
         return await self._plane.apply_models(models)

@@ -76,6 +76,8 @@ class ControlView:
     catalog: Mapping[str, Entry] = attrs.field(factory=dict)
     #: Each model's rollout after the last reconcile pass (``control.rollout``), by name.
     rollouts: Mapping[str, RolloutStatus] = attrs.field(factory=dict)
+    #: Unix time at ``now``, to tell people when something happened (never to judge liveness).
+    wall: float = 0.0
 
 
 class JoinSecrets(Protocol):
@@ -117,6 +119,11 @@ class ControlQuery(Protocol):
 
     def joins(self) -> JoinSecrets | None:
         """The join book, or None before it is loaded."""
+        ...
+
+    async def forget_lost(self, node_id: str) -> bool:
+        """Forget a lost node and the shards it last reported (``ctl node reset``); on disk before
+        it returns. False when the node is not lost (nothing is changed then)."""
         ...
 
     async def apply_models(self, models: list[ModelConfig]) -> list[Change]:

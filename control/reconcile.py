@@ -235,6 +235,8 @@ def adopted_placements(
     known = {(s.node_id, s.shard_id) for r in placements for s in r.shards}
     by_replica: dict[str, list[ShardAssignment]] = {}
     for node in nodes.values():
+        if node.state is NodeState.LOST:
+            continue  # what a lost node last said runs there may not: its replicas are placed anew
         for st in node.shards.values():
             adoptable = st.state in (State.STARTING, State.READY, State.UNHEALTHY)
             if not adoptable or (node.node_id, st.shard_id) in known:

@@ -8,9 +8,12 @@ secret in it), the placements, the operators' cordons and drains, and the model 
                   "generation": 3, "deleting": false}],
      "cordons": {"gpu07": "draining"},
      "nodes": {"gpu07": "<base64 Register>"},
-     "placements": [{"model": "m", "replica_id": "m-r0", "fabric": "", "shards": [...]}]}
+     "placements": [{"model": "m", "replica_id": "m-r0", "fabric": "", "shards": [...]}],
+     "lost": {"gpu05": {"register": "<base64 Register>", "last_seen": 1796428800.0}}}
 
-A file without ``catalog`` (written before models were objects) loads: its models then come from
+A lost node is kept under ``lost`` with the shards it last reported and when it was last heard from,
+so that a restart still lists what may run there (``ctl replicas``) until the node comes back or
+``ctl node reset`` forgets it. A file without ``catalog`` (written before models were objects) loads: its models then come from
 ``llmgw.toml`` alone, as they did.
 
 Pure functions convert between that document and a ``SavedState`` value (``state_doc``,
@@ -24,9 +27,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,9 @@ class SavedState:
     skipped: tuple[str, ...] = ()
     #: The model catalog; None from a file written before there was one (models: the file's).
     catalog: tuple[Entry, ...] | None = None
+    #: Lost nodes: each one's last Register (the shards it last reported) and when it was last
+    #: heard from (Unix time), so that they stay listed as lost after a restart.
+    lost: tuple[tuple[schema.Register, float], ...] = ()
 
 
 def keyless(register: schema.Register) -> schema.Register:
@@ -102,8 +109,10 @@ def state_doc(
     placements: Iterable[ReplicaPlacement],
     cordons: Iterable[tuple[str, Cordon]],
     catalog: Iterable[Entry] | None = None,
+    lost: Mapping[str, tuple[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """The file's document: ``nodes`` maps node id to ``encode_register``'s text."""
+    """The file's document: ``nodes`` maps node id to ``encode_register``'s text, ``lost`` a lost
+    node's id to that text and when it was last heard from (Unix time)."""
     doc: dict[str, Any] = {
         "nodes": dict(nodes),
         "placements": _converter.unstructure(list(placements)),
@@ -112,6 +121,10 @@ def state_doc(
     }
     if catalog is not None:
         doc["catalog"] = [catalog_entry_doc(e) for e in catalog]
+    if lost:
+        doc["lost"] = {
+            nid: {"register": text, "last_seen": round(t, 3)} for nid, (text, t) in sorted(lost.items())
+        }
     return doc
 
 
@@ -168,22 +181,21 @@ def parse_state(text: str, path: Path | str = STATE_FILE) -> SavedState:
         raise StateFileError(
             f"{path}: nodes: expected an object of node id -> Register, got {type(nodes).__name__}"
         )
-    registers = []
-    for node_id, text_value in nodes.items():
-        where = f"{path}: nodes[{str(node_id)[:64]!r}]"
-        if not isinstance(text_value, str):
-            raise StateFileError(f"{where}: expected base64 text, got {type(text_value).__name__}")
-        try:
-            reg = schema.Register.parse(base64.b64decode(text_value, validate=True))
-        except (binascii.Error, ValueError) as exc:
-            raise StateFileError(f"{where}: not a base64 Register ({exc})") from exc
-        except Exception as exc:  # betterproto2 raises assorted errors on bytes that are not a message
-            raise StateFileError(f"{where}: not a Register ({type(exc).__name__}: {exc})") from exc
-        if reg.node_id != node_id:
-            raise StateFileError(f"{where}: the Register is for node {reg.node_id[:64]!r}")
-        # A file written before secrets were stripped from it: they are not kept in memory either,
-        # and the next save leaves them out.
-        registers.append(keyless(reg))
+    registers = [
+        _parse_register(node_id, text_value, f"{path}: nodes[{str(node_id)[:64]!r}]")
+        for node_id, text_value in nodes.items()
+    ]
+    raw_lost = doc.get("lost", {})
+    if not isinstance(raw_lost, dict):
+        raise StateFileError(f"{path}: lost: expected an object of node id -> {{register, last_seen}}")
+    lost = []
+    for node_id, item in raw_lost.items():
+        where = f"{path}: lost[{str(node_id)[:64]!r}]"
+        if not isinstance(item, dict) or not isinstance(item.get("last_seen"), int | float):
+            raise StateFileError(f'{where}: expected {{"register": base64 text, "last_seen": Unix time}}')
+        lost.append(
+            (_parse_register(node_id, item.get("register"), f"{where}.register"), float(item["last_seen"]))
+        )
     try:
         placements = tuple(_converter.structure(doc.get("placements", []), list[ReplicaPlacement]))
     except Exception as exc:
@@ -200,7 +212,25 @@ def parse_state(text: str, path: Path | str = STATE_FILE) -> SavedState:
         except ValueError:
             skipped.append(f"{path}: cordons[{str(node_id)[:64]!r}]: unknown mark {mark!r}, ignored")
     catalog = _parse_catalog(doc["catalog"], path) if "catalog" in doc else None
-    return SavedState(tuple(registers), placements, tuple(sorted(cordons)), tuple(skipped), catalog)
+    return SavedState(
+        tuple(registers), placements, tuple(sorted(cordons)), tuple(skipped), catalog, tuple(lost)
+    )
+
+
+def _parse_register(node_id: object, text_value: object, where: str) -> schema.Register:
+    if not isinstance(text_value, str):
+        raise StateFileError(f"{where}: expected base64 text, got {type(text_value).__name__}")
+    try:
+        reg = schema.Register.parse(base64.b64decode(text_value, validate=True))
+    except (binascii.Error, ValueError) as exc:
+        raise StateFileError(f"{where}: not a base64 Register ({exc})") from exc
+    except Exception as exc:  # betterproto2 raises assorted errors on bytes that are not a message
+        raise StateFileError(f"{where}: not a Register ({type(exc).__name__}: {exc})") from exc
+    if reg.node_id != node_id:
+        raise StateFileError(f"{where}: the Register is for node {reg.node_id[:64]!r}")
+    # A file written before secrets were stripped from it: they are not kept in memory either,
+    # and the next save leaves them out.
+    return keyless(reg)
 
 
 def read_state(path: Path) -> SavedState | None:
@@ -250,6 +280,8 @@ class StateSaver:
         self._encoded: dict[str, tuple[schema.Register, str]] = {}
         self._saved_key: object = None
         self._saved_generation: object = None
+        #: node id -> ((register, shards, last heard from), encoded Register) of each lost node.
+        self._lost: dict[str, tuple[tuple[schema.Register, tuple[schema.ShardStatus, ...], float], str]] = {}
         # One writer at a time: the reconciler's pass, an admin request (a drain is saved before it
         # is answered) and the shutdown path all save, and all write the same temporary file.
         self._lock = trio.Lock()
@@ -261,12 +293,15 @@ class StateSaver:
         placements: tuple[ReplicaPlacement, ...],
         cordons: Mapping[str, Cordon],
         catalog: Catalog | None = None,
+        wall_of: Callable[[float], float] = lambda t: t,
     ) -> bool:
-        """Write the nodes that are not lost, the placements, the cordons and the catalog, unless
-        nothing changed since the last write (``generation`` is the fleet's, the catalog's own
-        ``revision`` tells its changes). Returns whether it wrote."""
+        """Write the nodes, the placements, the cordons and the catalog, unless nothing changed
+        since the last write (``generation`` is the fleet's, the catalog's own ``revision`` tells
+        its changes). Returns whether it wrote. A lost node is written with the shards it last
+        reported and when it was last heard from: ``wall_of`` turns the fleet's monotonic time into
+        Unix time."""
         async with self._lock:
-            return await self._save(generation, nodes, placements, cordons, catalog)
+            return await self._save(generation, nodes, placements, cordons, catalog, wall_of)
 
     async def _save(
         self,
@@ -275,6 +310,7 @@ class StateSaver:
         placements: tuple[ReplicaPlacement, ...],
         cordons: Mapping[str, Cordon],
         catalog: Catalog | None = None,
+        wall_of: Callable[[float], float] = lambda t: t,
     ) -> bool:
         # The catalog as it is now: its entries are frozen values, the catalog may change while
         # Registers are encoded below.
@@ -282,7 +318,27 @@ class StateSaver:
         stamp = (generation, placements, entries)
         if stamp == self._saved_generation:
             return False  # nothing a restart needs has changed since the last write
+        nodes = tuple(nodes)
         live = [n for n in nodes if n.state is not NodeState.LOST]
+        # A lost node's last word on each shard (its Register's list, then ShardStatus messages),
+        # as a Register of its own; it changes only when the node is heard from, so the key holds it.
+        lost = {
+            n.node_id: (n.register, tuple(n.shards.values()), n.last_heartbeat)
+            for n in nodes
+            if n.state is NodeState.LOST
+        }
+        fresh_lost = {nid: item for nid, item in lost.items() if self._lost.get(nid, (None,))[0] != item}
+        if fresh_lost:
+            encoded_lost = await trio.to_thread.run_sync(
+                lambda: {
+                    nid: encode_register(dataclasses.replace(reg, shards=list(shards)))
+                    for nid, (reg, shards, _) in fresh_lost.items()
+                }
+            )
+            for nid, text in encoded_lost.items():
+                self._lost[nid] = (fresh_lost[nid], text)
+        for gone in set(self._lost) - set(lost):
+            del self._lost[gone]
         fresh = [
             (n.node_id, n.register)
             for n in live
@@ -302,11 +358,18 @@ class StateSaver:
             placements,
             marks,
             entries,
+            tuple(sorted((nid, reg, shards, seen) for nid, (reg, shards, seen) in lost.items())),
         )
         if key == self._saved_key:
             self._saved_generation = stamp
             return False
-        doc = state_doc({nid: text for nid, (_, text) in self._encoded.items()}, placements, marks, entries)
+        doc = state_doc(
+            {nid: text for nid, (_, text) in self._encoded.items()},
+            placements,
+            marks,
+            entries,
+            {nid: (text, wall_of(item[2])) for nid, (item, text) in self._lost.items()},
+        )
         await trio.to_thread.run_sync(write_state, self.path, doc)
         self._saved_key = key
         self._saved_generation = stamp

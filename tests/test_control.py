@@ -486,3 +486,84 @@ def test_ready_replicas_never_drop_during_a_drain_while_engines_serve(tmp_path: 
         assert set(seen_by_ctl) == {"2/2"}, seen_by_ctl
     finally:
         fleet.stop()
+
+
+def test_a_lost_nodes_shards_say_what_is_known_across_a_restart_until_reset_or_stopped(
+    tmp_path: Path,
+) -> None:
+    """gpu02 runs both replicas of chat, and its agent is killed -9 (its engines run on). Once it is
+    lost and the replicas run elsewhere, its two engines are listed for what is known of them: state
+    unknown, on a lost node, last seen at T, what it last reported; not "draining" forever (no agent
+    can drain them). A restarted control plane lists them the same, with the same T (they vanished
+    before). `ctl node reset gpu02` forgets the node and them; the agent, back, joins again and its
+    leftover engines are stopped."""
+    fleet = Fleet(tmp_path, "l", LAYOUT_A)
+    fleet.start(only={"gpu02"})
+    try:
+        chat = CHAT.format(tag="l")
+        poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
+        fleet.start()
+        poll(
+            "gpu01 and gpu03 ready",
+            lambda: sum(n["state"] == "ready" for n in fleet.cp.api("/api/nodes")) == 3,
+        )
+        gpu02 = fleet.agents["gpu02"]
+        old_pids = gpu02.engine_pids()
+        assert len(old_pids) == 2
+        gpu02.kill9()
+
+        def lost_listed() -> list[dict[str, Any]] | None:
+            shards = [s for r in fleet.replicas(chat) for s in r["shards"] if s["node_id"] == "gpu02"]
+            moved = [
+                s for s in fleet.placed_shards(chat) if s["state"] == "ready" and s["node_id"] != "gpu02"
+            ]
+            return shards if len(shards) == 2 and len(moved) == 2 else None
+
+        shards = poll("gpu02 lost and its replicas ready elsewhere", lost_listed, timeout=60)
+        for s in shards:
+            assert (s["state"], s["node_state"], s["reported"], s["placed"]) == (
+                "unknown",
+                "lost",
+                "ready",
+                False,
+            )
+            assert "node lost: last seen 20" in s["note"] and "ctl node reset gpu02" in s["note"], s
+        last_seen = {s["note"].split("last seen ")[1].split(",")[0] for s in shards}
+        [model] = [m for m in fleet.cp.api("/api/models") if m["model"] == chat]
+        assert (model["replicas_ready"], model["replicas_placed"]) == (2, 2)
+        listing = fleet.cp.ctl("replicas")
+        assert listing.returncode == 0, listing.stderr
+        rows = [line for line in listing.stdout.splitlines() if "gpu02 (lost)" in line]
+        assert len(rows) == 2 and all(" unknown " in row and "last seen" in row for row in rows), (
+            listing.stdout
+        )
+        assert all(pid_alive(p) for p in old_pids)  # nothing could stop them
+
+        # A restart keeps what is known: the lost node, its engines, when it was last seen.
+        fleet.cp.terminate()
+        fleet.cp.start()
+        again = poll("gpu02's engines listed after the restart", lost_listed, timeout=60)
+        assert {s["note"].split("last seen ")[1].split(",")[0] for s in again} == last_seen
+        assert all(s["state"] == "unknown" and s["node_state"] == "lost" for s in again)
+        assert [n["state"] for n in fleet.cp.api("/api/nodes") if n["node_id"] == "gpu02"] == ["lost"]
+
+        reset = fleet.cp.ctl("node", "reset", "gpu02")
+        assert reset.returncode == 0 and "gpu02: lost node removed" in reset.stdout, reset
+        assert not any(s["node_id"] == "gpu02" for r in fleet.replicas(chat) for s in r["shards"])
+        assert "gpu02" not in [n["node_id"] for n in fleet.cp.api("/api/nodes")]
+
+        # Back, the node joins again (the join token), reports its two engines, and they are stopped:
+        # the replicas run elsewhere.
+        gpu02.start()
+        poll("gpu02's leftover engines stopped", lambda: not any(pid_alive(p) for p in old_pids), timeout=60)
+        poll(
+            "gpu02 listed ready with nothing on it",
+            lambda: (
+                not any(s["node_id"] == "gpu02" for r in fleet.replicas(chat) for s in r["shards"])
+                and [n["state"] for n in fleet.cp.api("/api/nodes") if n["node_id"] == "gpu02"] == ["ready"]
+            ),
+            timeout=30,
+        )
+        assert fleet.ready_replicas(chat, 2)
+    finally:
+        fleet.stop()

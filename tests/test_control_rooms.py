@@ -298,6 +298,12 @@ def test_state_value_round_trips_and_secrets_never_reach_the_document() -> None:
             '{"nodes": {"gpu01": "CgVncHUwMg=="}}',
             "control-state.json: nodes['gpu01']: the Register is for node 'gpu02'",
         ),
+        ('{"lost": []}', "control-state.json: lost: expected an object"),
+        ('{"lost": {"gpu01": {"register": "CgVncHUwMQ=="}}}', "control-state.json: lost['gpu01']: expected"),
+        (
+            '{"lost": {"gpu01": {"register": "CgVncHUwMg==", "last_seen": 1}}}',
+            "control-state.json: lost['gpu01'].register: the Register is for node 'gpu02'",
+        ),
         (
             '{"placements": [{"model": "m", "replica_id": "m-r0", "shards": [{"shard_id": "s", '
             '"node_id": "n1", "gpu_indices": [0]}]}]}',
@@ -314,6 +320,50 @@ def test_a_damaged_state_file_is_refused_naming_the_file_and_field(doc: str, mes
     with pytest.raises(StateFileError) as info:
         parse_state(doc, "control-state.json")
     assert str(info.value).startswith(message), str(info.value)
+
+
+async def test_a_lost_node_is_saved_with_its_last_report_and_restored_lost(tmp_path: Path) -> None:
+    """What a lost node last said (its Register's shards, then a ShardStatus) and when it was last
+    heard from survive a restart; the restored node is lost at once (not unreachable for a grace)
+    and ``forget`` removes it, while a node that is not lost is kept."""
+    from control.state import StateSaver
+
+    fleet = Fleet(unreachable_after=1.0, lost_after=2.0)
+    spec = schema.StartShard(shard_id="m-r0-s0", replica_id="m-r0")
+    reg = schema.Register(
+        node_id="n1", shards=[schema.ShardStatus(shard_id="m-r0-s0", state=State.STARTING, spec=spec)]
+    )
+    fleet.registered(reg, 100.0)
+    fleet.registered(schema.Register(node_id="n2"), 100.0)
+    fleet.shard_status(
+        "n1", schema.ShardStatus(shard_id="m-r0-s0", replica_id="m-r0", state=State.READY, spec=spec)
+    )
+    fleet.disconnected("n1", 110.0, "gone")
+    fleet.tick(120.0)
+    assert fleet.nodes["n1"].state is NodeState.LOST
+    path = tmp_path / "control-state.json"
+    saver = StateSaver(path)
+    # Monotonic 100 (last heard from) is Unix time 1_800_000_100.
+    assert await saver.save(
+        fleet.generation, fleet.nodes.values(), (), {}, wall_of=lambda t: t + 1_800_000_000
+    )
+    saved = parse_state(path.read_text(), path)
+    assert [r.node_id for r in saved.registers] == ["n2"]
+    [(lost, seen)] = saved.lost
+    assert seen == 1_800_000_100.0 and [(s.shard_id, s.state) for s in lost.shards] == [
+        ("m-r0-s0", State.READY)
+    ]
+
+    restored = Fleet(unreachable_after=1.0, lost_after=2.0)
+    restored.restore(saved.registers, 5.0, 30.0, [(lost, 60.0)])
+    node = restored.nodes["n1"]
+    assert node.state is NodeState.LOST and node.last_heartbeat == -55.0 and not node.connected
+    assert node.shards["m-r0-s0"].state == State.READY
+    assert "last heard from 60 s ago" in node.history[-1].reason
+    assert not restored.forget("n2")  # unreachable, not lost: kept
+    assert [t.node_id for t in restored.tick(1000.0)] == ["n2"]  # n2 lost after its grace; n1 already was
+    assert node.state is NodeState.LOST  # only a Register or a heartbeat brings it back
+    assert restored.forget("n1") and "n1" not in restored.nodes
 
 
 def test_an_unknown_cordon_is_skipped_with_a_line_saying_so() -> None:

@@ -86,10 +86,15 @@ def drain_text(doc: Any) -> str:
 
 
 def reset_text(doc: Any) -> str:
-    """``node reset NODE``: whether a credential was forgotten."""
+    """``node reset NODE``: whether a credential was forgotten, and a lost node with it."""
+    node = doc["node_id"]
     if doc["forgotten"]:
-        return f"{doc['node_id']}: credential forgotten; it joins again with the join token (`ctl token`)"
-    return f"{doc['node_id']}: had no credential here; it joins with the join token (`ctl token`)"
+        text = f"{node}: credential forgotten; it joins again with the join token (`ctl token`)"
+    else:
+        text = f"{node}: had no credential here; it joins with the join token (`ctl token`)"
+    if doc.get("removed"):
+        text += f"\n{node}: lost node removed, with the shards it last reported"
+    return text
 
 
 def drain_progress_line(doc: Any) -> str:
@@ -144,9 +149,10 @@ def _node_arguments(node: argparse.ArgumentParser) -> list[argparse.ArgumentPars
         node,
         "node_command",
         "reset",
-        "forget NODE's credential; it joins again with the join token",
+        "forget NODE's credential (it joins again with the join token), and NODE if lost",
         "Forget NODE's credential, so it can join again with the join token (a node "
-        "reinstalled on purpose; until then nothing can speak for it with the token).",
+        "reinstalled on purpose; until then nothing can speak for it with the token). A lost NODE is "
+        "forgotten too, with the engines it last reported (as kubectl delete node).",
     )
     reset.add_argument("node", help="node id")
     return [reset]

@@ -14,7 +14,7 @@ def replicas_text(doc: Any) -> str:
     rows = []
     for r in doc:
         for s in r["shards"]:
-            detail = s["error"]
+            detail = s["error"] or s.get("note", "")
             if s["retry_in_s"] is not None:
                 detail = f"{detail}; retry in {s['retry_in_s']:g}s (failures: {s['failures']})"
             rows.append(
