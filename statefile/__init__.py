@@ -25,10 +25,14 @@ disk. This package imports nothing of llmgw's: the agent and the control plane b
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import trio
+
+#: ``link()`` errors of a filesystem that has no hard links.
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
 
 #: Suffix of the temporary file a write uses (``.NAME.tmp``): what a cleanup of leftovers looks for.
 TEMP_SUFFIX = ".tmp"
@@ -75,6 +79,14 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o600, replace: b
                 os.link(tmp, path)
             except FileExistsError:
                 return False
+            except OSError as exc:
+                if exc.errno not in _NO_HARD_LINKS:
+                    raise
+                # A filesystem without hard links (some FUSE and SMB mounts): check, then rename.
+                # Only a second writer racing this one could slip between the two.
+                if os.path.lexists(path):
+                    return False
+                os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
     except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -107,3 +108,19 @@ def test_a_record_store_removes_leftovers_of_an_interrupted_write(tmp_path: Path
     leftover.write_text("{")
     assert store.load_all() == []
     assert not leftover.exists()
+
+
+def test_without_hard_links_a_new_file_is_still_made_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some FUSE and SMB mounts refuse link(): the file is made all the same, and kept after."""
+
+    def no_links(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    target = tmp_path / "secret"
+    assert statefile.write_atomic(target, "first", replace=False) is True
+    assert statefile.write_atomic(target, "second", replace=False) is False
+    assert (target.read_text(), _mode(target)) == ("first", 0o600)
+    assert [p.name for p in tmp_path.iterdir()] == ["secret"]
