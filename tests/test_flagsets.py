@@ -433,6 +433,8 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in FILES:
         assert f"agent/engines/flags/{path.name}" in names
+    # The shared packages the agent imports travel with it, typed.
+    assert {"statefile/__init__.py", "statefile/py.typed"} <= names
 
 
 def test_vllm_extractor_names_extensions_and_pinned_versions(tmp_path: Path) -> None:
