@@ -428,21 +428,25 @@ ports = "21000-21099"
             agent.stop_all()
 
 
+def _chat_on_gpu02_then_all(fleet: Fleet) -> str:
+    """Start gpu02 alone until both chat replicas are ready there (whatever order the agents would
+    register in), then the other nodes of layout A; the chat model's name."""
+    fleet.start(only={"gpu02"})
+    chat = CHAT.format(tag=fleet.tag)
+    poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
+    fleet.start()
+    poll("gpu01 and gpu03 ready", lambda: sum(n["state"] == "ready" for n in fleet.cp.api("/api/nodes")) == 3)
+    return chat
+
+
 def test_ready_replicas_never_drop_during_a_drain_while_engines_serve(tmp_path: Path) -> None:
     """Both replicas of chat on gpu02, whose replacements take 2 s to load: while gpu02 drains, the
     old engines serve until the new ones are ready, so the model is 2/2 ready at every instant, as
     `ctl get models` and the API say (it showed 0 for about a second: a replica counted only its
     newly placed, still loading shards). The old engines' rows say draining meanwhile."""
     fleet = Fleet(tmp_path, "s", LAYOUT_A, chat_load_seconds=2.0)
-    fleet.start(only={"gpu02"})
     try:
-        chat = CHAT.format(tag="s")
-        poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
-        fleet.start()
-        poll(
-            "gpu01 and gpu03 ready",
-            lambda: sum(n["state"] == "ready" for n in fleet.cp.api("/api/nodes")) == 3,
-        )
+        chat = _chat_on_gpu02_then_all(fleet)
         # Sampled as fast as the API answers (ctl renders these documents), from before the drain to
         # after it: each sample the model's ready count and how many old engines were listed draining.
         samples: list[tuple[int, int]] = []
@@ -498,15 +502,8 @@ def test_a_lost_nodes_shards_say_what_is_known_across_a_restart_until_reset_or_s
     before). `ctl node reset gpu02` forgets the node and them; the agent, back, joins again and its
     leftover engines are stopped."""
     fleet = Fleet(tmp_path, "l", LAYOUT_A)
-    fleet.start(only={"gpu02"})
     try:
-        chat = CHAT.format(tag="l")
-        poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
-        fleet.start()
-        poll(
-            "gpu01 and gpu03 ready",
-            lambda: sum(n["state"] == "ready" for n in fleet.cp.api("/api/nodes")) == 3,
-        )
+        chat = _chat_on_gpu02_then_all(fleet)
         gpu02 = fleet.agents["gpu02"]
         old_pids = gpu02.engine_pids()
         assert len(old_pids) == 2
