@@ -14,7 +14,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-PACKAGES = ["schema", "transport", "telemetry", "settings", "agent", "control", "router"]
+PACKAGES = ["schema", "transport", "telemetry", "settings", "enginedefs", "agent", "control", "router"]
 CHECKED = [*PACKAGES, "demo", "bench", "enginebuild", "tools"]
 
 

@@ -83,7 +83,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-PACKAGES = ("schema", "transport", "telemetry", "settings", "agent", "control", "router")
+PACKAGES = ("schema", "transport", "telemetry", "settings", "enginedefs", "agent", "control", "router")
 
 
 def test_the_import_graph_follows_the_house_plan() -> None:
@@ -117,6 +117,7 @@ def test_the_import_graph_follows_the_house_plan() -> None:
     # One configuration loader: every process's config module uses it.
     for module in ("agent.config", "router.config", "control.config"):
         assert any(t.split(".")[0] == "settings" for t in graph[module]), module
+    assert crossing("enginedefs", ("control", "agent", "router", "enginebuild")) == []
 
 
 def test_the_graph_walker_sees_a_lazy_import_and_a_relative_one(tmp_path: Path) -> None:

@@ -399,7 +399,7 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
     tree.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, tree / name)
-    for package in ("schema", "transport", "telemetry", "agent", "control", "router"):
+    for package in ("schema", "transport", "telemetry", "enginedefs", "agent", "control", "router"):
         shutil.copytree(REPO / package, tree / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     done = subprocess.run(
         [

@@ -8,13 +8,15 @@ would refuse, ``build_command(spec, ctx)`` is the argv and the environment we ad
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
-from agent.engines import llamacpp, sglang, sim, trtllm, vllm
 from agent.engines.base import (
     Command,
     Engine,
@@ -26,9 +28,18 @@ from agent.engines.base import (
     require_profile,
 )
 
-ENGINES: Mapping[str, Engine] = {
-    e.name: e for e in (vllm.ENGINE, sglang.ENGINE, llamacpp.ENGINE, trtllm.ENGINE, sim.ENGINE)
-}
+
+def load_adapter(descriptor: enginedefs.EngineDescriptor) -> Engine:
+    """The adapter a descriptor names (``module:attribute``), checked to be the engine it says."""
+    module, _, attribute = descriptor.adapter.partition(":")
+    engine = getattr(importlib.import_module(module), attribute)
+    if not isinstance(engine, Engine) or engine.name != descriptor.name:
+        raise TypeError(f"{descriptor.adapter} is not the {descriptor.name} adapter (got {engine!r})")
+    return engine
+
+
+#: Every engine's adapter, one per descriptor (``enginedefs.DESCRIPTORS``), in its order.
+ENGINES: Mapping[str, Engine] = MappingProxyType({d.name: load_adapter(d) for d in enginedefs.DESCRIPTORS})
 
 
 @attrs.frozen
