@@ -214,6 +214,30 @@ def _describe_exit(code: int) -> tuple[int, str]:
     return code, f"exited with code {code}"
 
 
+def write_files(files: Mapping[str, str]) -> None:
+    """An engine's secret files (``Command.files``), mode 0600 from their creation on, so the key is
+    never readable by another user for a moment; a stale one (a crash-looping engine's) is
+    replaced. Blocks: call it from a worker thread."""
+    for path, content in files.items():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, content.encode())
+        finally:
+            os.close(fd)
+
+
+def remove_files(files: Mapping[str, str]) -> None:
+    """Remove an engine's secret files once it has exited (missing ones are fine). Blocks."""
+    for path in files:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", path, exc.strerror or exc)
+
+
 class Supervisor:
     """Spawns, watches, drains, stops and re-adopts engine processes; see the module docstring."""
 
@@ -263,6 +287,8 @@ class Supervisor:
         #: The marker value that makes an engine this agent's: its state directory, absolute.
         self.owner = os.path.abspath(state_dir)
         self.records = RecordStore(state_dir)
+        #: Key files of engines that read the shard's key from a file (``Command.files``).
+        self.key_dir = Path(self.owner) / "keys"
         self.shards: dict[str, Shard] = {}
         #: Shards being spawned: not announced until their pid is known.
         self._pending: dict[str, Shard] = {}
@@ -284,6 +310,12 @@ class Supervisor:
     def _create_dirs(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.records.create()
+        self.key_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.key_dir, 0o700)
+
+    def _context(self, engine: str) -> LaunchContext:
+        """The engine's launch context, with this supervisor's key directory."""
+        return attrs.evolve(self.launch_context(engine), key_dir=str(self.key_dir))
 
     def _survey(self) -> tuple[list[adopt.Decision], list[str]]:
         """Records and ``/proc``, read in a worker thread, and what to do about each shard."""
@@ -384,7 +416,7 @@ class Supervisor:
         )
         shard.spawned.set()
         try:
-            shard.launch = plan(spec, self.gpus, self.launch_context(engine))
+            shard.launch = plan(spec, self.gpus, self._context(engine))
         except ProfileRefused as exc:
             log.warning(
                 "adopted shard %s no longer validates (%s); watching it anyway", decision.shard_id, exc
@@ -502,7 +534,7 @@ class Supervisor:
         engine = spec.profile.engine if spec.profile else ""
         shard = Shard(spec=spec, engine=engine)
         try:
-            shard.launch = plan(spec, self.gpus, self.launch_context(engine))
+            shard.launch = plan(spec, self.gpus, self._context(engine))
         except ProfileRefused as exc:
             shard.spawned.set()
             self.shards[spec.shard_id] = shard
@@ -571,6 +603,12 @@ class Supervisor:
             ) from exc
         self._test_hook("after-intent")
         command = launch.command
+        try:
+            write_files(command.files)
+        except OSError as exc:
+            remove_files(command.files)
+            self.records.remove(spec.shard_id)
+            raise LaunchFailed(f"cannot write the engine's key file: {exc.strerror or exc}") from exc
         # Ours last: a profile's env must not be able to disown or misname the engine.
         env = engine_environment(
             os.environ,
@@ -598,6 +636,7 @@ class Supervisor:
                     close_fds=True,
                 )
         except OSError as exc:
+            remove_files(command.files)
             self.records.remove(spec.shard_id)
             raise LaunchFailed(f"cannot start {command.argv[0]}: {exc.strerror or exc}") from exc
         self._test_hook("after-spawn")
@@ -689,6 +728,8 @@ class Supervisor:
             code = await self._wait_exit(shard)
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.records.remove, shard.shard_id)
+        if shard.launch is not None:
+            await trio.to_thread.run_sync(remove_files, shard.launch.command.files)
         output = await trio.to_thread.run_sync(self._tail, shard)
         shard.running = False
         if code is None:
