@@ -56,6 +56,7 @@ import attrs
 import httpx
 import trio
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import Launch, LaunchContext, ProfileRefused, plan
@@ -905,9 +906,11 @@ class Supervisor:
             self._begin_stop(shard, deadline or self.stop_grace)
             return
         end = trio.current_time() + deadline
+        descriptor = enginedefs.lookup(shard.engine)
+        metrics = descriptor.publishes.metrics_path if descriptor is not None else "/metrics"
         async with self._client(shard, timeout=2.0) as client:
             while trio.current_time() < end and shard.state is State.DRAINING:
-                if await in_flight(client, "/metrics") == 0:
+                if await in_flight(client, metrics) == 0:
                     break
                 await trio.sleep(min(self.poll_interval, max(end - trio.current_time(), 0)))
         if shard.state is State.DRAINING:
