@@ -65,9 +65,12 @@ def test_the_facts_the_control_plane_acts_on() -> None:
     assert [d.name for d in enginedefs.DESCRIPTORS if not enginedefs.renames(d.name)] == ["trtllm"]
     assert enginedefs.model_names("/models/llama-8b/") == ("/models/llama-8b/", "llama-8b")
     assert enginedefs.model_names("meta-llama/Llama-3.1-8B") == ("meta-llama/Llama-3.1-8B",)
-    assert enginedefs.unknown_engine("vlm") == (
-        "unknown engine 'vlm'; did you mean 'vllm'? known engines: vllm, sglang, llamacpp, trtllm, sim"
+    known = ", ".join(enginedefs.NAMES)
+    assert (
+        enginedefs.unknown_engine("vlm")
+        == f"unknown engine 'vlm'; did you mean 'vllm'? known engines: {known}"
     )
+    assert enginedefs.unknown_engine("tgi") == f"unknown engine 'tgi'; known engines: {known}"
 
 
 def test_a_key_has_one_place_besides_the_command_line() -> None:
