@@ -223,3 +223,12 @@ def test_ticker_sleeps_while_nobody_streams_and_ticks_once_someone_does() -> Non
     idle, gaps = trio.run(main)
     assert idle == float("inf")
     assert all(gap >= 0.02 * 0.95 for gap in gaps), gaps
+
+
+def test_the_key_is_read_as_vllm_reads_it() -> None:
+    """vLLM's api_server: ``args.api_key or [envs.VLLM_API_KEY]``: the option wins, the variable is
+    read when there is none, an empty variable means no key."""
+    assert parse_command_line(["m"], {"VLLM_API_KEY": "from-env"}).api_keys == ("from-env",)
+    assert parse_command_line(["m", "--api-key", "a", "b"], {"VLLM_API_KEY": "e"}).api_keys == ("a", "b")
+    assert parse_command_line(["m"], {"VLLM_API_KEY": ""}).api_keys == ()
+    assert parse_command_line(["m"], {}).api_keys == ()
