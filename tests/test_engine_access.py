@@ -277,6 +277,21 @@ async def test_a_sim_engines_key_is_out_of_sight_and_enforced(tmp_path: Path) ->
     assert key not in (tmp_path / "logs" / "key-s0.log").read_text()
 
 
+async def test_a_restarted_supervisor_removes_the_key_files_no_engine_needs(tmp_path: Path) -> None:
+    """An engine that died while the agent was away leaves its key file; the next start removes it
+    (the files of adopted engines stay until they exit)."""
+    keys = trio.Path(tmp_path / "state" / "keys")
+    await keys.mkdir(parents=True)
+    stale = keys / "gone-s0.key"
+    await stale.write_text("old-key\n")
+    sup = make_supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        nursery.cancel_scope.cancel()
+    assert not await stale.exists()
+    assert stat.S_IMODE((await keys.stat()).st_mode) == 0o700
+
+
 def test_key_files_are_private_from_their_creation_and_removed(tmp_path: Path) -> None:
     path = tmp_path / "s1.key"
     path.write_text("stale, world-readable")

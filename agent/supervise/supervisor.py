@@ -314,6 +314,15 @@ class Supervisor:
         self.key_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.key_dir, 0o700)
 
+    def _sweep_keys(self, keep: set[str]) -> None:
+        """Remove every key file but ``keep``'s (blocking)."""
+        try:
+            stale = [str(p) for p in self.key_dir.iterdir() if str(p) not in keep]
+        except OSError as exc:
+            log.warning("cannot list %s: %s", self.key_dir, exc.strerror or exc)
+            return
+        remove_files(dict.fromkeys(stale, ""))
+
     def _context(self, engine: str) -> LaunchContext:
         """The engine's launch context, with this supervisor's key directory."""
         return attrs.evolve(self.launch_context(engine), key_dir=str(self.key_dir))
@@ -369,6 +378,10 @@ class Supervisor:
                 )
                 assert self._nursery is not None
                 self._nursery.start_soon(self._end_stray, decision.pid, decision.start_time)
+        # Key files of engines that did not survive the agent's absence (the files of the adopted
+        # ones stay until they exit): nothing else would ever remove them.
+        keep = {path for shard in adopted if shard.launch for path in shard.launch.command.files}
+        await trio.to_thread.run_sync(self._sweep_keys, keep)
         # Each adopted engine is probed once, together and bounded, so that the first Register
         # already says READY for a healthy one (the router would otherwise lose it for a moment).
         async with trio.open_nursery() as probes:
