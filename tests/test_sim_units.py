@@ -225,4 +225,3 @@ def test_ticker_sleeps_while_nobody_streams_and_ticks_once_someone_does() -> Non
     idle, gaps = trio.run(main)
     assert idle == float("inf")
     assert all(gap >= 0.02 * 0.95 for gap in gaps), gaps
-
