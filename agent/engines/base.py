@@ -14,6 +14,12 @@ fit), and the ones read from the flag set of the engine version the node runs
 flag it does not have, a value of the wrong type, in ``extra_args`` too. Those refusals name the
 engine and the version ("vLLM 0.18.0: --quantization fbgemm_fp8 is deprecated and needs
 --allow-deprecated-quantization"). No choice list is typed by hand here.
+
+Every adapter's ``build_command`` has one shape, defined at the end of this module: the profile's
+options in the engine's spelling (``Spelling``, ``profile_argv``), the engine's own options, then
+``assemble``: the shard's key where the engine's descriptor (``enginedefs``) says it takes it out of
+sight of ``ps``, ``extra_args``, and one check of the whole line. The StartShard reaches the
+adapters converted once (``ShardSpec``, by ``plan``).
 """
 
 from __future__ import annotations
