@@ -6,6 +6,11 @@ adds one what is missing, instead of a test that keeps two hand-written lists eq
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import enginedefs
@@ -16,6 +21,7 @@ from control.config import engine_problem
 from enginebuild.flags import EXTRACTORS
 
 DESCRIPTORS = {d.name: d for d in enginedefs.DESCRIPTORS}
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("name", sorted(DESCRIPTORS))
@@ -78,3 +84,69 @@ def test_a_key_has_one_place_besides_the_command_line() -> None:
         enginedefs.ApiKey(env="X_KEY", file_flag="--key-file")
     assert enginedefs.ApiKey().on_command_line
     assert not enginedefs.ApiKey(env="VLLM_API_KEY").on_command_line
+
+
+#: A new engine for the test below: an adapter module of its own (the sim's functions under another
+#: name) and nothing else.
+ECHO_ADAPTER = """
+import attrs
+from agent.engines import sim
+
+ENGINE = attrs.evolve(sim.ENGINE, name="echo")
+"""
+
+ECHO_DESCRIPTOR = """
+    EngineDescriptor(
+        name="echo",
+        label="Echo",
+        adapter="echo_engine:ENGINE",
+        command="{python} -m agent.engines.sim",
+        flags="vllm",
+        extractor="",
+        version=VersionProbe(),
+        key=None,
+        renames=False,
+        publishes=Publishes(in_flight=("echo:requests_running",)),
+    ),
+"""
+
+ECHO_CHECK = """
+import schema
+from agent.config import AgentConfig
+from agent.engines import ENGINES, LaunchContext, plan
+from agent.supervise import probes
+from control.config import engine_problem
+import enginedefs
+
+assert "echo" in ENGINES and "echo" in AgentConfig(node_id="n", server="http://cp:1").engines
+assert engine_problem("echo") == "" and not enginedefs.takes_key("echo") and not enginedefs.renames("echo")
+assert probes.IN_FLIGHT.search(b"echo:requests_running 2\\n") is not None
+profile = schema.EngineProfile(engine="echo", model="m", served_model_name="m")
+spec = schema.StartShard(shard_id="e1", profile=profile, http_port=8001)
+launch = plan(spec, [], LaunchContext(argv_prefix=("echo-server",)))
+assert launch.engine == "echo" and launch.command.argv[:3] == ("echo-server", "serve", "m"), launch
+print("ok")
+"""
+
+
+def test_a_new_engine_is_an_adapter_and_a_descriptor(tmp_path: Path) -> None:
+    """Add a descriptor (in a copy of ``enginedefs``) and an adapter module, touch nothing else: the
+    agent runs the engine, its config and the control plane's accept its name, its key and rename
+    rules hold, the drain reads its gauge."""
+    source = (REPO / "enginedefs" / "__init__.py").read_text()
+    anchor = "\n)\n\nBY_NAME"
+    assert source.count(anchor) == 1, "the DESCRIPTORS tuple ends where this test expects"
+    (tmp_path / "enginedefs").mkdir()
+    (tmp_path / "enginedefs" / "__init__.py").write_text(source.replace(anchor, ECHO_DESCRIPTOR + anchor[1:]))
+    (tmp_path / "echo_engine.py").write_text(ECHO_ADAPTER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path), str(REPO)))}
+    done = subprocess.run(
+        [sys.executable, "-c", ECHO_CHECK],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
