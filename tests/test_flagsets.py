@@ -399,7 +399,16 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
     tree.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, tree / name)
-    for package in ("schema", "transport", "telemetry", "enginedefs", "agent", "control", "router"):
+    for package in (
+        "schema",
+        "transport",
+        "telemetry",
+        "settings",
+        "enginedefs",
+        "agent",
+        "control",
+        "router",
+    ):
         shutil.copytree(REPO / package, tree / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     done = subprocess.run(
         [
@@ -424,6 +433,7 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for path in FILES:
         assert f"agent/engines/flags/{path.name}" in names
+    assert {"enginedefs/__init__.py", "enginedefs/py.typed"} <= names
 
 
 def test_vllm_extractor_names_extensions_and_pinned_versions(tmp_path: Path) -> None:
