@@ -95,20 +95,11 @@ from agent.engines import sim
 ENGINE = attrs.evolve(sim.ENGINE, name="echo")
 """
 
-ECHO_DESCRIPTOR = """
-    EngineDescriptor(
-        name="echo",
-        label="Echo",
-        adapter="echo_engine:ENGINE",
-        command="{python} -m agent.engines.sim",
-        flags="vllm",
-        extractor="",
-        version=VersionProbe(),
-        key=None,
-        renames=False,
-        publishes=Publishes(in_flight=("echo:requests_running",)),
-    ),
-"""
+ECHO_DESCRIPTOR = (
+    '    EngineDescriptor(name="echo", label="Echo", adapter="echo_engine:ENGINE", '
+    'command="{python} -m agent.engines.sim", flags="vllm", extractor="", version=VersionProbe(), '
+    'key=None, renames=False, publishes=Publishes(in_flight=("echo:requests_running",))),\n'
+)
 
 ECHO_CHECK = """
 import schema
