@@ -14,7 +14,17 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-PACKAGES = ["schema", "transport", "telemetry", "settings", "statefile", "agent", "control", "router"]
+PACKAGES = [
+    "schema",
+    "transport",
+    "telemetry",
+    "settings",
+    "statefile",
+    "enginedefs",
+    "agent",
+    "control",
+    "router",
+]
 CHECKED = [*PACKAGES, "demo", "bench", "enginebuild", "tools"]
 
 

@@ -10,7 +10,6 @@ and what was expected, worded as every llmgw process words it. Unknown keys are 
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib.metadata
 import ipaddress
 import os
@@ -26,9 +25,9 @@ from urllib.parse import urlsplit
 
 import attrs
 
+import enginedefs
 import settings
 from agent.discovery.model import FabricAttachment
-from agent.engines import ENGINES
 from schema.ids import NODE_ID, NODE_ID_RULE
 from settings import ConfigError, FieldProblem
 from telemetry.http import parse_listen
@@ -41,14 +40,9 @@ DEFAULT_CONFIG = Path("/etc/llmgw/agent.toml")
 
 
 def _default_engines() -> dict[str, str]:
-    """Engine command lines as a node usually has them; override per engine in the config."""
-    return {
-        "vllm": "vllm",
-        "sglang": "python3 -m sglang.launch_server",
-        "llamacpp": "llama-server",
-        "trtllm": "trtllm-serve",
-        "sim": f"{shlex.quote(sys.executable)} -m agent.engines.sim",
-    }
+    """Engine command lines as a node usually has them (each descriptor's); override per engine in
+    the config."""
+    return {d.name: d.default_command() for d in enginedefs.DESCRIPTORS}
 
 
 #: URL schemes the transport speaks (``agent.transport.client.open_stream``): HTTP/2 cleartext with
@@ -127,14 +121,8 @@ def engine_problem(name: str) -> str:
 
     An ``[engines]`` entry under a misspelt name would otherwise be ignored without a word, and the
     engine it meant to configure would run the default command."""
-    if name in ENGINES:
-        return ""
-    close = difflib.get_close_matches(name.lower(), list(ENGINES), n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return (
-        f"unknown engine {name!r}; {hint}name one of the known engines ({', '.join(ENGINES)}) "
-        "or remove the entry"
-    )
+    problem = enginedefs.unknown_engine(name)
+    return f"{problem}; name one of them or remove the entry" if problem else ""
 
 
 def _known_engines(_: object, attribute: attrs.Attribute[dict[str, str]], value: dict[str, str]) -> None:

@@ -81,7 +81,6 @@ default 1 is how a fleet ends up half the size its operator thinks it is.
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import re
 from collections.abc import Callable, Sequence
@@ -91,6 +90,7 @@ from typing import Any
 import attrs
 import cattrs
 
+import enginedefs
 import schema
 import settings
 from control.placement import engine_constraint
@@ -134,21 +134,13 @@ def _coalesce(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         )
 
 
-#: The engines an agent can run: the keys of ``agent.engines.ENGINES``, spelled out here because the
-#: control plane never imports the agent (tests/test_control_config.py keeps the two equal).
-ENGINE_NAMES: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "trtllm", "sim")
-
-
 def engine_problem(name: str) -> str:
-    """Why ``name`` is no engine an agent can run, with the closest known name; "" when it is one.
+    """Why ``name`` is no engine an agent can run (``enginedefs.NAMES``), with the closest known
+    name; "" when it is one.
 
     Caught here, a typo fails at start-up with the right line instead of as a StartShard refusal on
     every node, one reconcile pass after another."""
-    if name in ENGINE_NAMES:
-        return ""
-    close = difflib.get_close_matches(name.lower(), ENGINE_NAMES, n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"unknown engine {name!r}; {hint}known engines: {', '.join(ENGINE_NAMES)}"
+    return enginedefs.unknown_engine(name)
 
 
 def _known_engine(_: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -385,11 +377,6 @@ class Liveness:
         return self.lost_after if self.startup_grace is None else self.startup_grace
 
 
-#: Engines with no flag to rename the model they serve (trtllm-serve 1.2), so the catalog name
-#: cannot be their default served name.
-SERVES_MODEL_AS_IS = frozenset({"trtllm"})
-
-
 @attrs.frozen
 class GpuRequirements:
     """Per shard (per node, for a multi-node replica). ``count = 0``: a CPU-only engine."""
@@ -436,7 +423,7 @@ class ProfileConfig:
                 engine_constraint(self.engine_version)
             except ValueError as exc:
                 raise FieldProblem("engine_version", f"engine_version {exc}") from None
-        if self.engine in SERVES_MODEL_AS_IS and self.served_model_name:
+        if not enginedefs.renames(self.engine) and self.served_model_name:
             names = self.model_names()
             if self.served_model_name not in names:
                 raise FieldProblem(
@@ -447,11 +434,9 @@ class ProfileConfig:
                 )
 
     def model_names(self) -> tuple[str, ...]:
-        """The names an engine that cannot rename its model serves it under: the argument itself,
-        or a local checkpoint directory's base name (trtllm-serve uses ``Path(model).name`` for a
-        directory; which one applies depends on the node's disk, so both are accepted)."""
-        base = self.model.rstrip("/").rsplit("/", 1)[-1]
-        return (self.model,) if base == self.model else (self.model, base)
+        """The names an engine that cannot rename its model serves it under
+        (``enginedefs.model_names``)."""
+        return enginedefs.model_names(self.model)
 
     def to_proto(self) -> schema.EngineProfile:
         return schema.EngineProfile(
@@ -527,7 +512,7 @@ class ModelConfig:
         serves it (a local path's base name, a hub id as written)."""
         if self.profile.served_model_name:
             return self.profile.served_model_name
-        if self.profile.engine in SERVES_MODEL_AS_IS:
+        if not enginedefs.renames(self.profile.engine):
             names = self.profile.model_names()
             return names[-1] if self.profile.model.startswith(("/", ".")) else names[0]
         return self.name

@@ -36,6 +36,7 @@ from types import MappingProxyType
 import attrs
 import trio
 
+import enginedefs
 import schema
 import statefile
 from control.agentsvc import AgentService
@@ -79,8 +80,6 @@ State = schema.ShardState
 
 #: The cluster secret the shards' keys are derived from, in ``state_dir``.
 SHARD_KEY_SECRET = "shard-key-secret"
-#: Engines with no API-key option of their own (trtllm-serve): their shards are sent no key.
-KEYLESS_ENGINES = frozenset({"trtllm"})
 
 
 def load_shard_key_secret(state_dir: Path) -> bytes:
@@ -224,7 +223,7 @@ class ControlPlane:
     def key_for(self, shard_id: str, engine: str) -> str:
         """The key of one shard, for its StartShard and the router; empty for an engine with no key
         option (trtllm) or before the secret is loaded."""
-        if not self.shard_key_secret or engine in KEYLESS_ENGINES:
+        if not self.shard_key_secret or not enginedefs.takes_key(engine):
             return ""
         return shard_key(self.shard_key_secret, shard_id)
 

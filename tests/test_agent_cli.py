@@ -71,7 +71,7 @@ def test_unknown_engine_flag_is_refused_with_the_closest_name(tmp_path: Path) ->
         code,
         stderr,
         "llmgw-agent: engines: unknown engine 'vlm'; did you mean 'vllm'?",
-        "(vllm, sglang, llamacpp, trtllm, sim)",
+        "known engines: vllm, sglang, llamacpp, trtllm, sim; name one of them or remove the entry",
         "(engines from --engines)",
     )
 

@@ -203,8 +203,8 @@ def test_an_engine_entry_is_reported_at_its_own_line_unless_a_flag_replaced_the_
     with pytest.raises(ConfigError) as info:
         load(["--config", str(path)], {})
     assert str(info.value) == (
-        "engines: unknown engine 'llama.cpp'; did you mean 'llamacpp'? name one of the known engines "
-        f"(vllm, sglang, llamacpp, trtllm, sim) or remove the entry (engines from {path} line 5)"
+        "engines: unknown engine 'llama.cpp'; did you mean 'llamacpp'? known engines: vllm, sglang, "
+        f"llamacpp, trtllm, sim; name one of them or remove the entry (engines from {path} line 5)"
     )
     with pytest.raises(ConfigError, match=r"unknown engine 'trtlm'.*\(engines from --engines\)$"):
         load(["--config", str(path), "--engines", "trtlm=x"], {})

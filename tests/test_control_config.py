@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from control.config import ENGINE_NAMES, ConfigError, Listen, line_of, listen_problem, parse
+from control.config import ConfigError, Listen, line_of, listen_problem, parse
 
 MODEL = '[[models]]\nname = "m"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
 
@@ -129,13 +129,6 @@ def test_an_unknown_engine_is_named_with_the_closest_known_one() -> None:
     assert "did you mean 'llamacpp'?" in problem(inline) and problem(inline).endswith("line 3)")
     nothing_close = problem(MODEL.replace('"sim"', '"tgi"'))
     assert "unknown engine 'tgi'; known engines: vllm, sglang" in nothing_close
-
-
-def test_the_engine_names_are_the_agents() -> None:
-    """The control plane keeps its own list (it never imports the agent); this keeps them equal."""
-    from agent.engines import ENGINES
-
-    assert sorted(ENGINE_NAMES) == sorted(ENGINES)
 
 
 def test_several_problems_are_one_line_each_in_file_order() -> None:

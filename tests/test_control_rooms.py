@@ -83,7 +83,17 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-PACKAGES = ("schema", "transport", "telemetry", "settings", "statefile", "agent", "control", "router")
+PACKAGES = (
+    "schema",
+    "transport",
+    "telemetry",
+    "settings",
+    "statefile",
+    "enginedefs",
+    "agent",
+    "control",
+    "router",
+)
 
 
 def test_the_import_graph_follows_the_house_plan() -> None:
@@ -125,6 +135,7 @@ def test_the_import_graph_follows_the_house_plan() -> None:
         assert any(t.split(".")[0] == "settings" for t in graph[module]), module
     assert crossing("statefile", ("schema", "transport", "telemetry", "control", "agent", "router")) == []
     assert "statefile" in graph["control.state"] and "statefile" in graph["agent.supervise.records"]
+    assert crossing("enginedefs", ("control", "agent", "router", "enginebuild")) == []
 
 
 def test_the_graph_walker_sees_a_lazy_import_and_a_relative_one(tmp_path: Path) -> None:

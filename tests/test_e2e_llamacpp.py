@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -174,16 +175,20 @@ def test_llama_server_placed_served_killed_and_restarted(fleet: CpuFleet) -> Non
     assert argv[argv.index(b"-c") + 1] == b"2048" and argv[argv.index(b"-ngl") + 1] == b"0"
     health = httpx.get(f"{url}/health", timeout=5)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
-    # Only the router can use the engine: llama-server runs with its shard's key (--api-key), so a
-    # direct request without it is refused, by llama-server itself.
-    assert b"--api-key" in argv
+    # Only the router can use the engine: llama-server runs with its shard's key, read from a 0600
+    # file (--api-key-file) so that ps does not show it, and a direct request without it is
+    # refused, by llama-server itself.
+    secret = shard_key(load_shard_key_secret(fleet.cp.state_dir()), shard_id)
+    key_path = Path(argv[argv.index(b"--api-key-file") + 1].decode())
+    assert b"--api-key" not in argv and secret.encode() not in b"\0".join(argv)
+    assert key_path.read_text() == f"{secret}\n" and stat.S_IMODE(key_path.stat().st_mode) == 0o600
     direct = httpx.post(
         f"{url}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         timeout=30,
     )
     assert direct.status_code == 401, direct.text
-    key = {"Authorization": f"Bearer {shard_key(load_shard_key_secret(fleet.cp.state_dir()), shard_id)}"}
+    key = {"Authorization": f"Bearer {secret}"}
     # Served under the alias, and the in-flight gauge drain relies on is there, by the name we parse.
     models = httpx.get(f"{url}/v1/models", headers=key, timeout=5).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -212,6 +217,7 @@ def test_llama_server_placed_served_killed_and_restarted(fleet: CpuFleet) -> Non
         return shard if shard and shard["state"] == "failed" and shard["failures"] else None
 
     dead = poll("the killed engine reported failed and counted", failed, timeout=30)
+    assert not key_path.exists()  # the key file goes with its engine, and comes back with the next
     assert dead["exit_code"] == 137 and "killed by SIGKILL after it was ready" in str(dead["error"]), dead
     tail = dead["output_tail"]
     assert isinstance(tail, list) and tail and any("srv" in line or "slot" in line for line in tail), tail
@@ -220,6 +226,7 @@ def test_llama_server_placed_served_killed_and_restarted(fleet: CpuFleet) -> Non
     again = poll("the shard ready again in a new engine process", lambda: fleet.ready_shard(pid), timeout=120)
     new_pid = int(again["pid"])
     assert new_pid != pid and pid_alive(new_pid) and not pid_alive(pid)
+    assert key_path.read_text() == f"{secret}\n"
     assert again["failures"] == 1  # remembered until it has stayed ready for backoff_reset_after
     replicas = fleet.cp.ctl("replicas")
     assert replicas.returncode == 0 and "(failures: 1)" in replicas.stdout, replicas.stdout

@@ -7,7 +7,8 @@
 - In a real fleet (control plane, agent, ``sim`` engine through the vLLM adapter), the engine
   listens on the node's management address only, answers 401 to a request without its key, and
   serves the router's (the ``openai`` client through the router, with the router's own key). The
-  key is nowhere a person or a file outside the agent's state would show it.
+  key is nowhere a person or a file outside the agent's state would show it, the engine's command
+  line included (vLLM and the sim take it from ``VLLM_API_KEY``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ import trio
 
 import schema
 from agent.supervise import procfs
-from agent.supervise.supervisor import engine_environment, redact_argv
+from agent.supervise.supervisor import engine_environment, redact_argv, remove_files, write_files
 from control.config import parse
 from control.plane import SHARD_KEY_SECRET, ControlPlane, load_shard_key_secret, shard_key
 from router.routes import ModelRoutes, Upstream
 from router.server import Router
 from tests.fleet_procs import Agent, ControlProcess, free_port, poll
+from tests.support import cmdline
 from tests.test_supervisor import end_engines, make_supervisor, sim_spec, wait_state
 
 State = schema.ShardState
@@ -242,6 +244,64 @@ async def test_a_started_engines_environ_has_no_agent_secret(
     assert "PATH" in environ  # the rest of the agent's environment is still passed on
 
 
+async def test_a_sim_engines_key_is_out_of_sight_and_enforced(tmp_path: Path) -> None:
+    """The shard's key reaches the engine as vLLM takes it, in VLLM_API_KEY: not on its command line
+    (/proc/PID/cmdline, which ps shows every local user), and the engine enforces it."""
+    key = "shard-key-0123456789abcdef0123456789"
+    port = free_port()
+    sup = make_supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        try:
+            shard = await sup.start(sim_spec("key-s0", port, api_key=key))
+            await wait_state(sup, "key-s0", State.READY)
+            argv = b"\0".join(cmdline(shard.pid) or [])
+            environ = procfs.read_environ(shard.pid)
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            async with httpx.AsyncClient(timeout=10) as client:
+                refused = [
+                    (await client.post(url, json=body, headers=headers)).status_code
+                    for headers in ({}, {"Authorization": "Bearer wrong"})
+                ]
+                served = await client.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+        finally:
+            end_engines(sup)
+            nursery.cancel_scope.cancel()
+    assert b"agent.engines.sim" in argv and b"--served-model-name" in argv
+    assert key.encode() not in argv and b"--api-key" not in argv
+    assert environ is not None and environ["VLLM_API_KEY"] == key
+    assert refused == [401, 401]
+    assert served.status_code == 200, served.text
+    # The start line in the engine's log has no key to hide.
+    assert key not in (tmp_path / "logs" / "key-s0.log").read_text()
+
+
+async def test_a_restarted_supervisor_removes_the_key_files_no_engine_needs(tmp_path: Path) -> None:
+    """An engine that died while the agent was away leaves its key file; the next start removes it
+    (the files of adopted engines stay until they exit)."""
+    keys = trio.Path(tmp_path / "state" / "keys")
+    await keys.mkdir(parents=True)
+    stale = keys / "gone-s0.key"
+    await stale.write_text("old-key\n")
+    sup = make_supervisor(tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sup.run)
+        nursery.cancel_scope.cancel()
+    assert not await stale.exists()
+    assert stat.S_IMODE((await keys.stat()).st_mode) == 0o700
+
+
+def test_key_files_are_private_from_their_creation_and_removed(tmp_path: Path) -> None:
+    path = tmp_path / "s1.key"
+    path.write_text("stale, world-readable")
+    path.chmod(0o644)
+    write_files({str(path): "k3y\n"})
+    assert path.read_text() == "k3y\n" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    remove_files({str(path): "k3y\n", str(tmp_path / "never-written.key"): ""})
+    assert not path.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # A real fleet
 
@@ -357,7 +417,10 @@ def test_only_the_router_reaches_the_engine(fleet: tuple[ControlProcess, Agent])
         agent.log.read_text(),
         (agent.state_dir / "logs" / f"{shard_id}.log").read_text().split("\n", 1)[0],
     ]
-    assert "***" in shown[-1]  # the start line names the key option, its value hidden
+    # vLLM takes the key from VLLM_API_KEY: it is not on the engine's command line, which any
+    # local user reads (ps), and the start line has no key option to hide.
+    assert "--api-key" not in shown[-1]
+    assert key.encode() not in b"\0".join(cmdline(pid) or [])
     state_file = cp.state_dir() / "control-state.json"
     poll("the control plane's state file", state_file.exists, timeout=15)
     doc = json.loads(state_file.read_text())

@@ -13,6 +13,7 @@ import sys
 import attrs
 import pytest
 
+import enginedefs
 import schema
 from agent.discovery.model import FabricAttachment, GpuInfo
 from agent.engines import (
@@ -20,6 +21,7 @@ from agent.engines import (
     LaunchContext,
     ProfileRefused,
     Readiness,
+    ShardSpec,
     base,
     check_spec,
     engine_for,
@@ -54,6 +56,11 @@ def profile(engine: str = "vllm", **kw: object) -> schema.EngineProfile:
     return schema.EngineProfile(**fields)  # type: ignore[arg-type]
 
 
+def shard(p: schema.EngineProfile, **kw: object) -> ShardSpec:
+    """A StartShard as the adapters take it (``plan`` converts it once)."""
+    return ShardSpec.of(spec(p, **kw))
+
+
 def spec(p: schema.EngineProfile, **kw: object) -> schema.StartShard:
     fields: dict[str, object] = {
         "shard_id": "s1",
@@ -84,7 +91,7 @@ def refusal(fn: object, *args: object, **kw: object) -> ProfileRefused:
 
 
 def test_registry_has_every_engine() -> None:
-    assert set(ENGINES) == {"vllm", "sglang", "llamacpp", "trtllm", "sim"}
+    assert set(ENGINES) == set(enginedefs.NAMES) >= {"vllm", "sglang", "llamacpp", "trtllm", "sim"}
     for name, engine in ENGINES.items():
         assert engine.name == name
         assert engine.stop.stop_signal is signal.SIGTERM
@@ -114,7 +121,7 @@ def test_vllm_single_node_argv() -> None:
         extra_args=["--enable-prefix-caching", "--max-num-seqs", "128"],
         env={"NCCL_DEBUG": "INFO"},
     )
-    cmd = vllm.build_command(spec(p, gpu_indices=[2, 3]), ctx("vllm"))
+    cmd = vllm.build_command(shard(p, gpu_indices=[2, 3]), ctx("vllm"))
     assert cmd.argv == (
         "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct",
         "--served-model-name", "llama-8b",
@@ -136,7 +143,7 @@ def test_vllm_single_node_argv() -> None:
 
 
 def test_vllm_defaults_leave_optional_flags_out() -> None:
-    cmd = vllm.build_command(spec(profile()), ctx("vllm", host="10.0.0.7"))
+    cmd = vllm.build_command(shard(profile()), ctx("vllm", host="10.0.0.7"))
     assert cmd.argv == (
         "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct",
         "--served-model-name", "meta-llama/Llama-3.1-8B-Instruct",
@@ -151,16 +158,16 @@ def test_vllm_shutdown_timeout_is_below_the_sigkill_deadline() -> None:
     """The drain window ends before the supervisor's SIGKILL (stop_grace after SIGTERM), by
     max(2 s, 10%), so vLLM has time to shut its workers down after the last request."""
     cmd = vllm.build_command(
-        spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version="0.18.0")
+        shard(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version="0.18.0")
     )
     assert cmd.argv[-2:] == ("--shutdown-timeout", "27")
     cmd = vllm.build_command(
-        spec(profile()), ctx("vllm", shutdown_timeout_seconds=10.0, engine_version="0.18.0")
+        shard(profile()), ctx("vllm", shutdown_timeout_seconds=10.0, engine_version="0.18.0")
     )
     assert cmd.argv[-2:] == ("--shutdown-timeout", "8")
     # No window fits in 2 s: no flag (0 would mean "abort", the default anyway).
     cmd = vllm.build_command(
-        spec(profile()), ctx("vllm", shutdown_timeout_seconds=2.0, engine_version="0.18.0")
+        shard(profile()), ctx("vllm", shutdown_timeout_seconds=2.0, engine_version="0.18.0")
     )
     assert "--shutdown-timeout" not in cmd.argv
     assert [base.drain_seconds(g) for g in (0, 1, 2, 3, 20, 30, 120)] == [0, 0, 0, 1, 18, 27, 108]
@@ -179,7 +186,7 @@ def without_option(engine: str, version: str, flag: str) -> flagsets.FlagSet:
 def test_vllm_shutdown_timeout_only_where_the_version_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
     older = without_option("vllm", "0.18.0", "--shutdown-timeout")
     monkeypatch.setattr(flagsets, "for_version", lambda engine, version: older)
-    cmd = vllm.build_command(spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0))
+    cmd = vllm.build_command(shard(profile()), ctx("vllm", shutdown_timeout_seconds=30.0))
     assert "--shutdown-timeout" not in cmd.argv
 
 
@@ -187,57 +194,81 @@ def test_vllm_older_than_every_flag_file_gets_no_shutdown_timeout() -> None:
     """A 0.17 node is checked against the oldest file (0.18.0), which has the flag; 0.17 has not,
     and would exit on it: the drain window is left out, the rest of the argv is built as usual."""
     old = vllm.build_command(
-        spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version="0.17.1")
+        shard(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version="0.17.1")
     )
     assert "--shutdown-timeout" not in old.argv
     for version in ("0.18.0", "0.18.2", "0.33.0", ""):
         cmd = vllm.build_command(
-            spec(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version=version)
+            shard(profile()), ctx("vllm", shutdown_timeout_seconds=30.0, engine_version=version)
         )
         assert cmd.argv[-2:] == ("--shutdown-timeout", "27"), version
 
 
-def test_api_key_is_the_engines_own_option() -> None:
+def test_the_key_goes_where_each_engine_takes_it_out_of_sight() -> None:
+    """vLLM and the sim read VLLM_API_KEY, llama-server a key file, SGLang a --config YAML file: the
+    key is on no command line, where ``ps`` would show it to every local user."""
     key = "k3y-of-the-shard"
-    for engine, prefix in (("vllm", "vllm"), ("sglang", "python"), ("llamacpp", "llama-server")):
-        p = profile(engine, model="m.gguf") if engine == "llamacpp" else profile(engine)
-        cmd = ENGINES[engine].build_command(spec(p, api_key=key), ctx(prefix))
-        i = cmd.argv.index("--api-key")
-        assert cmd.argv[i + 1] == key
-        assert key not in "".join(cmd.env.values())
-    # No key, no flag: nothing to enforce.
-    assert "--api-key" not in vllm.build_command(spec(profile()), ctx("vllm")).argv
+    keys = ctx("x", key_dir="/var/lib/llmgw/keys/")
+    for engine in ("vllm", "sim"):
+        cmd = ENGINES[engine].build_command(shard(profile(engine), api_key=key), keys)
+        assert key not in cmd.argv and "--api-key" not in cmd.argv
+        assert cmd.env["VLLM_API_KEY"] == key and not cmd.files
+    # The profile's env cannot replace the shard's key.
+    p = profile(env={"VLLM_API_KEY": "operator"})
+    assert vllm.build_command(shard(p, api_key=key), keys).env["VLLM_API_KEY"] == key
+
+    cmd = llamacpp.build_command(shard(profile("llamacpp", model="m.gguf"), api_key=key), keys)
+    i = cmd.argv.index("--api-key-file")
+    assert cmd.argv[i + 1] == "/var/lib/llmgw/keys/s1.key" and key not in cmd.argv
+    assert dict(cmd.files) == {"/var/lib/llmgw/keys/s1.key": f"{key}\n"}
+
+    cmd = sglang.build_command(shard(profile("sglang"), api_key=key), keys)
+    i = cmd.argv.index("--config")
+    assert cmd.argv[i + 1] == "/var/lib/llmgw/keys/s1.yaml" and key not in cmd.argv
+    assert dict(cmd.files) == {"/var/lib/llmgw/keys/s1.yaml": f'api-key: "{key}"\n'}
+    # SGLang reads one --config: the operator's keeps the key on the command line.
+    p = profile("sglang", extra_args=["--config", "/etc/sglang.yaml"])
+    cmd = sglang.build_command(shard(p, api_key=key), keys)
+    assert cmd.argv[cmd.argv.index("--api-key") + 1] == key and not cmd.files
+
+    # A key file without a key directory is refused, not put on the command line instead.
+    err = refusal(llamacpp.build_command, shard(profile("llamacpp", model="m.gguf"), api_key=key), ctx("x"))
+    assert err.rule == "api-key" and "no key directory" in str(err)
+    # No key, no option, no file.
+    cmd = llamacpp.build_command(shard(profile("llamacpp", model="m.gguf")), keys)
+    assert "--api-key-file" not in cmd.argv and not cmd.files
+    assert "VLLM_API_KEY" not in vllm.build_command(shard(profile()), keys).env
 
 
 def test_trtllm_refuses_a_key_it_cannot_enforce() -> None:
-    err = refusal(trtllm.build_command, spec(profile("trtllm"), api_key="k"), ctx("trtllm-serve"))
+    err = refusal(trtllm.build_command, shard(profile("trtllm"), api_key="k"), ctx("trtllm-serve"))
     assert err.rule == "api-key"
     assert str(err).startswith("TensorRT-LLM 1.2.1: has no API-key option (--api-key), so the shard's key")
-    trtllm.build_command(spec(profile("trtllm")), ctx("trtllm-serve"))
+    trtllm.build_command(shard(profile("trtllm")), ctx("trtllm-serve"))
 
 
 def test_deprecated_quantization_is_refused_in_vllms_words_unless_enabled() -> None:
     p = profile(quantization="fbgemm_fp8")
-    err = refusal(vllm.build_command, spec(p), ctx("vllm", engine_version="0.18.0"))
+    err = refusal(vllm.build_command, shard(p), ctx("vllm", engine_version="0.18.0"))
     assert err.rule == "quantization"
     assert str(err).startswith(
         "vLLM 0.18.0: --quantization fbgemm_fp8 is deprecated and needs --allow-deprecated-quantization"
     )
     enabled = profile(quantization="fbgemm_fp8", extra_args=["--allow-deprecated-quantization"])
-    cmd = vllm.build_command(spec(enabled), ctx("vllm", engine_version="0.18.0"))
+    cmd = vllm.build_command(shard(enabled), ctx("vllm", engine_version="0.18.0"))
     assert cmd.argv[-1] == "--allow-deprecated-quantization"
     # modelopt_mxfp8 was wrongly refused by the hand-typed list; 0.18.0 accepts it.
-    vllm.build_command(spec(profile(quantization="modelopt_mxfp8")), ctx("vllm", engine_version="0.18.0"))
+    vllm.build_command(shard(profile(quantization="modelopt_mxfp8")), ctx("vllm", engine_version="0.18.0"))
 
 
 def test_sglang_quantization_per_version() -> None:
     p = profile("sglang", quantization="auto-round")
-    err = refusal(sglang.build_command, spec(p), ctx("python", engine_version="0.5.4"))
+    err = refusal(sglang.build_command, shard(p), ctx("python", engine_version="0.5.4"))
     assert str(err).startswith("SGLang 0.5.4: --quantization auto-round is not one of its choices (awq, fp8,")
-    cmd = sglang.build_command(spec(p), ctx("python", engine_version="0.5.10.post1"))
+    cmd = sglang.build_command(shard(p), ctx("python", engine_version="0.5.10.post1"))
     assert cmd.argv[cmd.argv.index("--quantization") + 1] == "auto-round"
     # A version between two files gets the older file's flags (0.5.9 -> 0.5.4's).
-    refusal(sglang.build_command, spec(p), ctx("python", engine_version="0.5.9"))
+    refusal(sglang.build_command, shard(p), ctx("python", engine_version="0.5.9"))
 
 
 def test_unknown_extra_args_flag_is_refused_naming_flag_and_version() -> None:
@@ -268,10 +299,10 @@ def test_unknown_extra_args_flag_is_refused_naming_flag_and_version() -> None:
         ),
     ]
     for module, p, prefix, message in cases:
-        err = refusal(module.build_command, spec(p), ctx(prefix))
+        err = refusal(module.build_command, shard(p), ctx(prefix))
         assert err.rule == "flags"
         assert str(err) == message
-    err = refusal(vllm.build_command, spec(profile(extra_args=["--max-num-seqs", "many"])), ctx("vllm"))
+    err = refusal(vllm.build_command, shard(profile(extra_args=["--max-num-seqs", "many"])), ctx("vllm"))
     assert str(err) == "vLLM 0.18.0: argument --max-num-seqs: invalid int value: 'many'"
 
 
@@ -296,13 +327,13 @@ def test_vllm_multi_node_rank0_and_rank1() -> None:
         "--tensor-parallel-size", "8",
         "--pipeline-parallel-size", "2",
     )  # fmt: skip
-    rank0 = vllm.build_command(multinode(p, 0), ctx("vllm"))
+    rank0 = vllm.build_command(ShardSpec.of(multinode(p, 0)), ctx("vllm"))
     assert rank0.argv == (
         *head,
         "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.1.0.5", "--master-port", "29501",
         "--enforce-eager",
     )  # fmt: skip
-    rank1 = vllm.build_command(multinode(p, 1), ctx("vllm"))
+    rank1 = vllm.build_command(ShardSpec.of(multinode(p, 1)), ctx("vllm"))
     assert rank1.argv == (
         *head,
         "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.0.5", "--master-port", "29501",
@@ -321,16 +352,16 @@ def test_vllm_multi_node_rank0_and_rank1() -> None:
 
 def test_vllm_readiness() -> None:
     p = profile(served_model_name="llama-8b")
-    ready = vllm.readiness(spec(p))
+    ready = vllm.ENGINE.readiness(shard(p))
     assert ready == Readiness(health_path="/health", models_path="/v1/models", model_name="llama-8b")
     assert ready.paths == ("/health", "/v1/models")
-    assert vllm.readiness(multinode(p, 0)).follow_rank0 is False
-    rank1 = vllm.readiness(multinode(p, 1))
+    assert vllm.ENGINE.readiness(ShardSpec.of(multinode(p, 0))).follow_rank0 is False
+    rank1 = vllm.ENGINE.readiness(ShardSpec.of(multinode(p, 1)))
     assert rank1.follow_rank0 and rank1.paths == ()
 
 
 def test_single_node_env_has_no_nccl_bootstrap() -> None:
-    cmd = vllm.build_command(spec(profile()), ctx("vllm"))
+    cmd = vllm.build_command(shard(profile()), ctx("vllm"))
     assert "NCCL_SOCKET_IFNAME" not in cmd.env
 
 
@@ -349,7 +380,9 @@ def test_sglang_single_node_argv() -> None:
         gpu_memory_utilization=0.8,
         extra_args=["--enable-metrics"],
     )
-    cmd = sglang.build_command(spec(p, gpu_indices=[0, 1]), ctx(sys.executable, "-m", "sglang.launch_server"))
+    cmd = sglang.build_command(
+        shard(p, gpu_indices=[0, 1]), ctx(sys.executable, "-m", "sglang.launch_server")
+    )
     assert cmd.argv == (
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", "meta-llama/Llama-3.1-8B-Instruct",
@@ -379,7 +412,9 @@ def test_sglang_multi_node_rank0_and_rank1() -> None:
         "--pp-size", "1",
     )  # fmt: skip
     for rank in (0, 1):
-        cmd = sglang.build_command(multinode(p, rank), ctx("python3", "-m", "sglang.launch_server"))
+        cmd = sglang.build_command(
+            ShardSpec.of(multinode(p, rank)), ctx("python3", "-m", "sglang.launch_server")
+        )
         assert cmd.argv == (
             *head,
             "--nnodes",
@@ -391,14 +426,14 @@ def test_sglang_multi_node_rank0_and_rank1() -> None:
         )
         assert cmd.env["NCCL_IB_HCA"] == "mlx5_0:1,mlx5_1:1"
         assert cmd.env["GLOO_SOCKET_IFNAME"] == "eth1"
-    assert sglang.readiness(multinode(p, 0)).paths == ("/health", "/v1/models")
-    assert sglang.readiness(multinode(p, 1)) == Readiness.rank0()
+    assert sglang.ENGINE.readiness(ShardSpec.of(multinode(p, 0))).paths == ("/health", "/v1/models")
+    assert sglang.ENGINE.readiness(ShardSpec.of(multinode(p, 1))) == Readiness.rank0()
 
 
 def test_sglang_brackets_an_ipv6_master() -> None:
     s = multinode(profile("sglang", tensor_parallel_size=16), 1)
     s.master_addr = "fd00::5"
-    cmd = sglang.build_command(s, ctx("sglang"))
+    cmd = sglang.build_command(ShardSpec.of(s), ctx("sglang"))
     assert cmd.argv[-2:] == ("--dist-init-addr", "[fd00::5]:29501")
 
 
@@ -411,7 +446,7 @@ def test_llamacpp_gpu_argv_splits_by_memory() -> None:
         "llamacpp", model="/models/qwen-7b-q4_k_m.gguf", served_model_name="qwen-7b", max_model_len=8192
     )
     node = (gpu(0, mib=24576), gpu(1, mib=49152))
-    cmd = llamacpp.build_command(spec(p, gpu_indices=[0, 1]), ctx("llama-server", gpus=node))
+    cmd = llamacpp.build_command(shard(p, gpu_indices=[0, 1]), ctx("llama-server", gpus=node))
     assert cmd.argv == (
         "llama-server",
         "-m", "/models/qwen-7b-q4_k_m.gguf",
@@ -431,14 +466,14 @@ def test_llamacpp_gpu_argv_splits_by_memory() -> None:
 
 def test_llamacpp_row_split_for_tensor_parallel_and_no_split_when_sizes_unknown() -> None:
     p = profile("llamacpp", model="m.gguf", tensor_parallel_size=2)
-    cmd = llamacpp.build_command(spec(p, gpu_indices=[0, 1]), ctx("llama-server"))
+    cmd = llamacpp.build_command(shard(p, gpu_indices=[0, 1]), ctx("llama-server"))
     assert cmd.argv[-5:] == ("-ngl", "999", "--split-mode", "row", "--main-gpu", "0")[-5:]
     assert "--tensor-split" not in cmd.argv
 
 
 def test_llamacpp_cpu_argv() -> None:
     p = profile("llamacpp", model="m.gguf", extra_args=["--threads", "8"])
-    cmd = llamacpp.build_command(spec(p, gpu_indices=[]), ctx("llama-server", host="127.0.0.1"))
+    cmd = llamacpp.build_command(shard(p, gpu_indices=[]), ctx("llama-server", host="127.0.0.1"))
     assert cmd.argv == (
         "llama-server", "-m", "m.gguf", "--alias", "m.gguf", "--host", "127.0.0.1", "--port", "8001",
         "--metrics", "-np", "4", "-ngl", "0", "--threads", "8",
@@ -447,7 +482,7 @@ def test_llamacpp_cpu_argv() -> None:
 
 
 def test_llamacpp_readiness_and_stop() -> None:
-    ready = llamacpp.readiness(spec(profile("llamacpp", model="m.gguf", served_model_name="qwen")))
+    ready = llamacpp.ENGINE.readiness(shard(profile("llamacpp", model="m.gguf", served_model_name="qwen")))
     # /v1/models is read after /health passes: the id it lists is the --alias, the served name.
     assert ready.paths == ("/health", "/v1/models") and ready.loading_statuses == (503,)
     assert ready.model_name == "qwen"
@@ -468,7 +503,7 @@ def test_trtllm_argv() -> None:
         gpu_memory_utilization=0.85,
         extra_args=["--max_batch_size", "64"],
     )
-    cmd = trtllm.build_command(spec(p, gpu_indices=[4, 5]), ctx("trtllm-serve"))
+    cmd = trtllm.build_command(shard(p, gpu_indices=[4, 5]), ctx("trtllm-serve"))
     assert cmd.argv == (
         "trtllm-serve", "serve", "meta-llama/Llama-3.1-8B-Instruct",
         "--host", "0.0.0.0",
@@ -481,7 +516,7 @@ def test_trtllm_argv() -> None:
         "--max_batch_size", "64",
     )  # fmt: skip
     assert dict(cmd.env) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "4,5"}
-    ready = trtllm.readiness(spec(p))
+    ready = trtllm.ENGINE.readiness(shard(p))
     assert ready.paths == ("/health", "/v1/models")
     assert ready.model_name == "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -492,7 +527,7 @@ def test_trtllm_argv() -> None:
 
 def test_sim_speaks_the_vllm_argv() -> None:
     p = profile("sim", served_model_name="demo", extra_args=["--enable-prefix-caching"])
-    s = spec(p, gpu_indices=[])
+    s = shard(p, gpu_indices=[])
     cmd = sim.build_command(s, ctx(*sim.ARGV_PREFIX))
     assert cmd.argv == (
         *sim.ARGV_PREFIX, "serve", "meta-llama/Llama-3.1-8B-Instruct",
@@ -503,9 +538,9 @@ def test_sim_speaks_the_vllm_argv() -> None:
         "--pipeline-parallel-size", "1",
         "--enable-prefix-caching",
     )  # fmt: skip
-    assert cmd.argv[len(sim.ARGV_PREFIX) :] == vllm.build_argv(s, ctx("x"))[1:]
+    assert cmd.argv[len(sim.ARGV_PREFIX) :] == vllm.build_command(s, ctx("x")).argv[1:]
     assert dict(cmd.env) == {}
-    assert sim.readiness(s).paths == ("/health", "/v1/models")
+    assert sim.ENGINE.readiness(s).paths == ("/health", "/v1/models")
 
 
 def test_sim_accepts_a_cpu_only_node_and_checks_gpus_when_given() -> None:
@@ -544,7 +579,7 @@ def test_every_engine_refuses_a_start_without_a_served_name(engine: str) -> None
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "trtllm", "sim"])
 def test_every_openai_engine_checks_v1_models_for_the_served_name(engine: str) -> None:
     model = "/models/m.gguf" if engine == "llamacpp" else "m"
-    ready = ENGINES[engine].readiness(spec(profile(engine, model=model, served_model_name=model)))
+    ready = ENGINES[engine].readiness(shard(profile(engine, model=model, served_model_name=model)))
     assert ready.paths == ("/health", "/v1/models") and ready.model_name == model
 
 
@@ -598,10 +633,10 @@ def test_fp8_needs_ada_or_hopper() -> None:
 
 
 def test_unsupported_quantization_per_engine() -> None:
-    err = refusal(vllm.build_command, spec(profile(quantization="exl2")), ctx("vllm"))
+    err = refusal(vllm.build_command, shard(profile(quantization="exl2")), ctx("vllm"))
     assert err.rule == "quantization"
     assert str(err).startswith("vLLM 0.18.0: --quantization exl2 is not one of its choices (awq, fp8, ")
-    err = refusal(sglang.build_command, spec(profile("sglang", quantization="fbgemm_fp8")), ctx("python"))
+    err = refusal(sglang.build_command, shard(profile("sglang", quantization="fbgemm_fp8")), ctx("python"))
     assert str(err).startswith("SGLang 0.5.4: --quantization fbgemm_fp8 is not one of its choices (awq,")
     err = refusal(llamacpp.validate, profile("llamacpp", quantization="awq"), [])
     assert str(err).startswith("quantization 'awq' is not a GGUF type llama.cpp loads; choices: gguf, F32,")
@@ -612,7 +647,7 @@ def test_unsupported_quantization_per_engine() -> None:
 
 
 def test_unsupported_dtype() -> None:
-    err = refusal(vllm.build_command, spec(profile(dtype="fp8")), ctx("vllm"))
+    err = refusal(vllm.build_command, shard(profile(dtype="fp8")), ctx("vllm"))
     assert str(err) == (
         "vLLM 0.18.0: --dtype fp8 is not one of its choices (auto, bfloat16, float, float16, float32, half)"
     )
@@ -788,11 +823,11 @@ def test_launch_context_needs_a_binary() -> None:
 
 
 def test_a_value_starting_with_a_dash_is_refused_before_the_engine_reads_it_as_an_option() -> None:
-    err = refusal(vllm.build_command, spec(profile(served_model_name="-chat")), ctx("vllm"))
+    err = refusal(vllm.build_command, shard(profile(served_model_name="-chat")), ctx("vllm"))
     assert err.rule == "served_model_name"
     assert str(err) == (
         "vLLM 0.18.0: served_model_name '-chat' starts with '-', so the engine would read it as an "
         "option; use a value that does not (a path can start with ./)"
     )
-    err = refusal(llamacpp.build_command, spec(profile("llamacpp", model="m.gguf"), api_key="-k"), ctx("x"))
+    err = refusal(llamacpp.build_command, shard(profile("llamacpp", model="m.gguf"), api_key="-k"), ctx("x"))
     assert err.rule == "api_key"

@@ -405,6 +405,7 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
         "telemetry",
         "settings",
         "statefile",
+        "enginedefs",
         "agent",
         "control",
         "router",
@@ -435,6 +436,7 @@ def test_the_wheel_carries_the_flag_files(tmp_path: Path) -> None:
         assert f"agent/engines/flags/{path.name}" in names
     # The shared packages the agent imports travel with it, typed.
     assert {"statefile/__init__.py", "statefile/py.typed"} <= names
+    assert {"enginedefs/__init__.py", "enginedefs/py.typed"} <= names
 
 
 def test_vllm_extractor_names_extensions_and_pinned_versions(tmp_path: Path) -> None:

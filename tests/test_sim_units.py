@@ -110,6 +110,8 @@ def test_api_keys_from_the_flag_or_vllms_variable() -> None:
     assert parse_command_line(["m"], {"VLLM_API_KEY": "v"}).api_keys == ("v",)
     assert parse_command_line(["m", "--api-key", "a"], {"VLLM_API_KEY": "v"}).api_keys == ("a",)
     assert parse_command_line(["m"], {}).api_keys == ()
+    # vLLM drops an empty variable: no key, an open API.
+    assert parse_command_line(["m"], {"VLLM_API_KEY": ""}).api_keys == ()
     assert parse_command_line(["m", "--max-model-len", "32k"], {}).max_model_len == 32000
 
 

@@ -1,34 +1,45 @@
 """Engine adapters, one module per engine, and the registry the supervisor looks them up in.
 
 Each adapter is pure (see ``base``): ``validate(profile, gpus, nnodes=)`` refuses what the engine
-would refuse, ``build_command(spec, ctx)`` is the argv and the environment we add,
-``readiness(spec)`` says what to poll, and ``stop`` how to stop it. ``plan`` runs all of it for one
+would refuse, ``build_command(shard, ctx)`` is the argv, the environment we add and the key files,
+``readiness(shard)`` says what to poll, and ``stop`` how to stop it. ``plan`` runs all of it for one
 ``StartShard`` on this node, which is what the supervisor calls before it spawns anything.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
-from agent.engines import llamacpp, sglang, sim, trtllm, vllm
 from agent.engines.base import (
     Command,
     Engine,
     LaunchContext,
     ProfileRefused,
     Readiness,
+    ShardSpec,
     StopBehaviour,
     format_indices,
-    require_profile,
 )
 
-ENGINES: Mapping[str, Engine] = {
-    e.name: e for e in (vllm.ENGINE, sglang.ENGINE, llamacpp.ENGINE, trtllm.ENGINE, sim.ENGINE)
-}
+
+def load_adapter(descriptor: enginedefs.EngineDescriptor) -> Engine:
+    """The adapter a descriptor names (``module:attribute``), checked to be the engine it says."""
+    module, _, attribute = descriptor.adapter.partition(":")
+    engine = getattr(importlib.import_module(module), attribute)
+    if not isinstance(engine, Engine) or engine.name != descriptor.name:
+        raise TypeError(f"{descriptor.adapter} is not the {descriptor.name} adapter (got {engine!r})")
+    return engine
+
+
+#: Every engine's adapter, one per descriptor (``enginedefs.DESCRIPTORS``), in its order.
+ENGINES: Mapping[str, Engine] = MappingProxyType({d.name: load_adapter(d) for d in enginedefs.DESCRIPTORS})
 
 
 @attrs.frozen
@@ -83,19 +94,20 @@ def check_spec(spec: schema.StartShard) -> None:
 
 
 def plan(spec: schema.StartShard, node_gpus: Sequence[GpuInfo], ctx: LaunchContext) -> Launch:
-    """Validate one StartShard against this node and build its launch; raises ProfileRefused."""
-    profile = require_profile(spec)
-    engine = engine_for(profile.engine)
+    """Validate one StartShard against this node and build its launch; raises ProfileRefused.
+    The StartShard is converted here, once (``ShardSpec.of``); the adapter takes the result."""
+    shard = ShardSpec.of(spec)
+    engine = engine_for(shard.profile.engine)
     check_spec(spec)
     gpus = select_gpus(node_gpus, spec.gpu_indices)
-    engine.validate(profile, gpus, nnodes=max(spec.nnodes, 1))
-    command = engine.build_command(spec, ctx)
+    engine.validate(shard.profile, gpus, nnodes=max(spec.nnodes, 1))
+    command = engine.build_command(shard, ctx)
     stop = engine.stop
     if stop.drains_in_flight and stop.graceful_flag and stop.graceful_flag not in command.argv:
         # The engine drains on SIGTERM only with its graceful flag, which this version (or a stop
         # grace too short for a margin) did not get: SIGTERM aborts, so a drain must wait itself.
         stop = attrs.evolve(stop, drains_in_flight=False)
-    return Launch(engine=engine.name, command=command, readiness=engine.readiness(spec), stop=stop)
+    return Launch(engine=engine.name, command=command, readiness=engine.readiness(shard), stop=stop)
 
 
 __all__ = [
@@ -106,6 +118,7 @@ __all__ = [
     "LaunchContext",
     "ProfileRefused",
     "Readiness",
+    "ShardSpec",
     "StopBehaviour",
     "check_spec",
     "engine_for",

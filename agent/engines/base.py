@@ -14,6 +14,12 @@ fit), and the ones read from the flag set of the engine version the node runs
 flag it does not have, a value of the wrong type, in ``extra_args`` too. Those refusals name the
 engine and the version ("vLLM 0.18.0: --quantization fbgemm_fp8 is deprecated and needs
 --allow-deprecated-quantization"). No choice list is typed by hand here.
+
+Every adapter's ``build_command`` has one shape, defined at the end of this module: the profile's
+options in the engine's spelling (``Spelling``, ``profile_argv``), the engine's own options, then
+``assemble``: the shard's key where the engine's descriptor (``enginedefs``) says it takes it out of
+sight of ``ps``, ``extra_args``, and one check of the whole line. The StartShard reaches the
+adapters converted once (``ShardSpec``, by ``plan``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import schema
 from agent.discovery.model import FabricAttachment, GpuInfo
 from agent.engines import flagsets
 from agent.engines.flagsets import FlagSet
+from enginedefs import ApiKey, EngineDescriptor
 
 GIB = 1024**3
 MIB = 1024**2
@@ -80,6 +87,10 @@ class LaunchContext:
     #: (``agent.engines.versions``; llama.cpp: its build tag, e.g. "b6432"); "" when unknown.
     #: Adapters build flags for it (``flagsets.for_version``), never for a version they assume.
     engine_version: str = ""
+    #: Where a shard's key file goes for an engine that reads its key from a file (the
+    #: supervisor's ``keys`` directory, mode 0700); "" when none was given, and such a key is
+    #: then refused rather than put on the command line.
+    key_dir: str = ""
 
 
 def _frozen_env(env: Mapping[str, str]) -> Mapping[str, str]:
@@ -93,6 +104,10 @@ class Command:
 
     argv: tuple[str, ...]
     env: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_env, hash=False)
+    #: Files the engine reads its secrets from (path -> content): the supervisor writes them, mode
+    #: 0600, before the spawn and removes them once the engine has exited. A key here or in
+    #: ``env`` is out of sight of ``ps``; one in ``argv`` is not.
+    files: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_env, hash=False)
 
 
 @attrs.frozen
@@ -165,13 +180,54 @@ class Validate(Protocol):
 
 
 @attrs.frozen
+class ShardSpec:
+    """One ``StartShard`` as the adapters take it, converted once, at the edge (``plan``): the
+    profile is there (proto3 makes it optional), and the parallel sizes are what the engine sees.
+    The adapters read it; none of them checks or converts the StartShard again."""
+
+    spec: schema.StartShard
+    profile: schema.EngineProfile
+    tp: int
+    pp: int
+
+    @classmethod
+    def of(cls, spec: schema.StartShard) -> ShardSpec:
+        """Raises ProfileRefused when the StartShard carries no profile."""
+        if spec.profile is None:
+            raise ProfileRefused("required", "StartShard.profile is required")
+        tp, pp = parallel_sizes(spec.profile)
+        return cls(spec=spec, profile=spec.profile, tp=tp, pp=pp)
+
+    @property
+    def shard_id(self) -> str:
+        return self.spec.shard_id
+
+    @property
+    def served_name(self) -> str:
+        return served_name(self.profile)
+
+    @property
+    def api_key(self) -> str:
+        return self.spec.api_key
+
+    @property
+    def multinode(self) -> bool:
+        return self.spec.nnodes > 1
+
+    @property
+    def follows_rank0(self) -> bool:
+        """A rank > 0 of a multi-node replica: it serves no HTTP of its own."""
+        return self.spec.nnodes > 1 and self.spec.node_rank > 0
+
+
+@attrs.frozen
 class Engine:
     """One engine adapter, as the registry holds it: its pure functions and its stop behaviour."""
 
     name: str
     validate: Validate
-    build_command: Callable[[schema.StartShard, LaunchContext], Command]
-    readiness: Callable[[schema.StartShard], Readiness]
+    build_command: Callable[[ShardSpec, LaunchContext], Command]
+    readiness: Callable[[ShardSpec], Readiness]
     stop: StopBehaviour
 
 
@@ -204,12 +260,6 @@ def fmt_number(value: float) -> str:
 
 def fmt_gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.1f} GiB"
-
-
-def require_profile(spec: schema.StartShard) -> schema.EngineProfile:
-    if spec.profile is None:
-        raise ProfileRefused("required", "StartShard.profile is required")
-    return spec.profile
 
 
 #: Why the agent never makes up a served name, for the refusal's message.
@@ -385,23 +435,22 @@ def check_not_an_option(fs: FlagSet, field: str, value: str) -> None:
         )
 
 
-def check_values(fs: FlagSet, spec: schema.StartShard) -> None:
+def check_values(fs: FlagSet, shard: ShardSpec) -> None:
     """Every value the adapters take from the StartShard and place after a flag or as the model."""
-    profile = require_profile(spec)
-    check_not_an_option(fs, "model", profile.model)
-    check_not_an_option(fs, "served_model_name", profile.served_model_name)
-    check_not_an_option(fs, "api_key", spec.api_key)
-    check_not_an_option(fs, "master_addr", spec.master_addr)
+    check_not_an_option(fs, "model", shard.profile.model)
+    check_not_an_option(fs, "served_model_name", shard.profile.served_model_name)
+    check_not_an_option(fs, "api_key", shard.api_key)
+    check_not_an_option(fs, "master_addr", shard.spec.master_addr)
 
 
-def check_no_api_key_option(fs: FlagSet, spec: schema.StartShard, flag: str = "--api-key") -> None:
+def check_no_api_key_option(fs: FlagSet, shard: ShardSpec, flag: str = "--api-key") -> None:
     """A shard key for an engine version without an API-key option cannot be enforced: refuse it
     rather than start an engine anyone on the network can call."""
-    if spec.api_key and fs.option(flag) is None:
+    if shard.api_key and (not flag or fs.option(flag) is None):
         raise ProfileRefused(
             "api-key",
-            f"{fs.label}: has no API-key option ({flag}), so the shard's key cannot be enforced; "
-            "the control plane sends no key for this engine",
+            f"{fs.label}: has no API-key option ({flag or '--api-key'}), so the shard's key cannot be "
+            "enforced; the control plane sends no key for this engine",
         )
 
 
@@ -563,3 +612,162 @@ def check_memory_fit(
 def check_nnodes(nnodes: int, engine: str, why: str) -> None:
     if nnodes > 1:
         raise ProfileRefused("multi-node", f"{engine} cannot run across {nnodes} nodes here: {why}")
+
+
+def check_gpu_fit(
+    profile: schema.EngineProfile,
+    gpus: Sequence[GpuInfo],
+    nnodes: int,
+    engine: str,
+    *,
+    default_fraction: float,
+    fraction_name: str = "gpu_memory_utilization",
+    use_profile_fraction: bool = True,
+) -> None:
+    """The GPU rules of every engine that runs on GPUs only: at least one GPU, tp x pp exactly the
+    GPUs given, their compute capability, and the weights within their memory."""
+    check_gpus_present(gpus, engine)
+    check_parallel_fit(profile, gpus, nnodes)
+    check_capability(profile, gpus)
+    check_memory_fit(
+        profile,
+        gpus,
+        nnodes,
+        default_fraction=default_fraction,
+        fraction_name=fraction_name,
+        use_profile_fraction=use_profile_fraction,
+    )
+
+
+def check_weights_fixed_by_checkpoint(
+    profile: schema.EngineProfile, choices: Sequence[str], *, dtype_why: str, quantization_of: str
+) -> None:
+    """For an engine whose checkpoint fixes the weights' types (llama.cpp's GGUF, TensorRT-LLM's
+    checkpoint): no ``dtype`` (``dtype_why`` says where it comes from instead), and a stated
+    ``quantization`` must be one of ``choices`` (matched case-insensitively), which only feeds the
+    capability and memory checks; ``quantization_of`` names the list ("a GGUF type llama.cpp loads")."""
+    if profile.dtype not in ("", "auto"):
+        raise ProfileRefused("dtype", f"dtype {profile.dtype!r} {dtype_why}")
+    if profile.quantization and profile.quantization.lower() not in {c.lower() for c in choices}:
+        raise ProfileRefused(
+            "quantization",
+            f"quantization {profile.quantization!r} is not {quantization_of}; choices: {', '.join(choices)}",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The command every adapter builds: the profile's options in the engine's spelling, the engine's
+# own, the shard's key where the engine takes it out of sight, extra_args, one check of the whole
+# line against the engine version's flag set.
+
+
+@attrs.frozen
+class Spelling:
+    """How one engine spells the options every adapter sets from a profile; "" where it has none
+    (the value is then not passed: the adapter's ``validate`` refuses what cannot be honoured)."""
+
+    #: The model's option ("--model-path", "-m"); "" passes it as the first positional argument.
+    model: str = ""
+    served_name: str = ""
+    #: The engine's fixed options, right after ``--port`` (trtllm-serve: ``--backend pytorch``).
+    after_port: tuple[str, ...] = ()
+    tp: str = ""
+    pp: str = ""
+    dtype: str = ""
+    quantization: str = ""
+    max_len: str = ""
+    memory_fraction: str = ""
+
+
+def profile_argv(fs: FlagSet, shard: ShardSpec, ctx: LaunchContext, spelling: Spelling) -> list[str]:
+    """model, served name, host, port, the fixed options, tp, pp, dtype, quantization, context
+    length and memory fraction, as this engine version spells them; its choices checked first."""
+    profile = shard.profile
+    check_values(fs, shard)
+    if spelling.dtype:
+        check_flag_choice(fs, spelling.dtype, profile.dtype, "dtype", profile.extra_args)
+    if spelling.quantization:
+        check_flag_choice(fs, spelling.quantization, profile.quantization, "quantization", profile.extra_args)
+    argv = [spelling.model, profile.model] if spelling.model else [profile.model]
+    if spelling.served_name:
+        argv += [spelling.served_name, shard.served_name]
+    argv += ["--host", ctx.host, "--port", str(shard.spec.http_port), *spelling.after_port]
+    if spelling.tp:
+        argv += [spelling.tp, str(shard.tp)]
+    if spelling.pp:
+        argv += [spelling.pp, str(shard.pp)]
+    if spelling.dtype and profile.dtype:
+        argv += [spelling.dtype, profile.dtype]
+    if spelling.quantization and profile.quantization:
+        argv += [spelling.quantization, profile.quantization]
+    if spelling.max_len and profile.max_model_len:
+        argv += [spelling.max_len, str(profile.max_model_len)]
+    if spelling.memory_fraction and profile.gpu_memory_utilization:
+        argv += [spelling.memory_fraction, fmt_number(profile.gpu_memory_utilization)]
+    return argv
+
+
+def key_file(ctx: LaunchContext, shard: ShardSpec, suffix: str) -> str:
+    """Where the shard's key file goes: ``KEY_DIR/SHARD.SUFFIX``."""
+    if not ctx.key_dir:
+        raise ProfileRefused(
+            "api-key",
+            "the engine reads the shard's key from a file, and no key directory was given "
+            "(LaunchContext.key_dir); not putting the key on the command line instead",
+        )
+    return f"{ctx.key_dir.rstrip('/')}/{shard.shard_id}{suffix}"
+
+
+def place_key(
+    key: ApiKey | None, fs: FlagSet, shard: ShardSpec, ctx: LaunchContext, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """The shard's key where the engine takes it (``enginedefs.ApiKey``): a variable in ``env``, a
+    file (returned as path -> content), or, only where the engine has nothing else, ``flag KEY``
+    on the command line. Returns the arguments to add and the files to write."""
+    if not shard.api_key:
+        return [], {}
+    check_no_api_key_option(fs, shard, key.flag if key is not None else "")
+    assert key is not None  # check_no_api_key_option refused a key for a keyless engine
+    if key.env:
+        env[key.env] = shard.api_key
+        return [], {}
+    if key.file_flag:
+        path = key_file(ctx, shard, ".key")
+        return [key.file_flag, path], {path: f"{shard.api_key}\n"}
+    if key.config_flag and key.config_flag not in shard.profile.extra_args:
+        # A YAML file of options (SGLang's --config); a JSON string is a YAML scalar. The engine
+        # reads one such file, so an operator's own in extra_args leaves the key on the line.
+        path = key_file(ctx, shard, ".yaml")
+        return [key.config_flag, path], {path: f"{key.config_key}: {json.dumps(shard.api_key)}\n"}
+    return [key.flag, shard.api_key], {}
+
+
+def assemble(
+    descriptor: EngineDescriptor,
+    fs: FlagSet,
+    shard: ShardSpec,
+    ctx: LaunchContext,
+    *,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    subcommand: tuple[str, ...] = (),
+) -> Command:
+    """The launch: the engine's arguments (``argv``: what its adapter built), the shard's key where
+    the engine takes it, ``extra_args``; the whole line checked as this engine version parses it;
+    our environment under the profile's."""
+    ours = dict(env)
+    key_args, files = place_key(descriptor.key, fs, shard, ctx, ours)
+    args = [*argv, *key_args, *shard.profile.extra_args]
+    check_command_line(fs, args)
+    merged = merge_env(ours, shard.profile)
+    if descriptor.key is not None and descriptor.key.env and shard.api_key:
+        merged[descriptor.key.env] = shard.api_key  # the profile's env cannot replace the shard's key
+    return Command(argv=(*ctx.argv_prefix, *subcommand, *args), env=merged, files=files)
+
+
+def openai_readiness(shard: ShardSpec) -> Readiness:
+    """An OpenAI-compatible server: ``/health`` answers 200 (503 while loading), then ``/v1/models``
+    lists the served name; a rank > 0 of a multi-node replica is ready when rank 0 is."""
+    if shard.follows_rank0:
+        return Readiness.rank0()
+    return Readiness(health_path="/health", models_path="/v1/models", model_name=shard.served_name)

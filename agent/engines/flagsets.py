@@ -39,16 +39,14 @@ from typing import Any
 import attrs
 from packaging.version import InvalidVersion, Version
 
+import enginedefs
+
 #: The format this module reads and the tool writes.
 FORMAT = 1
 
 #: Value types an option can have.
 TYPES = ("str", "int", "float", "bool", "json")
 
-#: Engines with flag files, and how each names itself in messages.
-ENGINE_NAMES: Mapping[str, str] = types.MappingProxyType(
-    {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp", "trtllm": "TensorRT-LLM"}
-)
 
 #: The committed files (package data: ``agent = ["engines/flags/*.json"]``).
 DATA_DIR = Path(__file__).resolve().parent / "flags"
@@ -110,7 +108,7 @@ class FlagSet:
     @property
     def label(self) -> str:
         """``vLLM 0.18.0``: how a message names the engine a command line was checked against."""
-        return f"{ENGINE_NAMES.get(self.engine, self.engine)} {self.version}"
+        return f"{enginedefs.label(self.engine)} {self.version}"
 
     def option(self, flag: str) -> Option | None:
         """The option spelled flag (any of its spellings, ``--no-x`` included), or None."""
@@ -334,7 +332,11 @@ def parse_document(doc: Any, where: str) -> FlagSet:
         f"format {doc['format']!r} is not {FORMAT}",
     )
     engine, version = doc["engine"], doc["version"]
-    _need(engine in ENGINE_NAMES, where, f"engine {engine!r} is not one of {', '.join(ENGINE_NAMES)}")
+    _need(
+        engine in enginedefs.FLAG_ENGINES,
+        where,
+        f"engine {engine!r} is not one of {', '.join(enginedefs.FLAG_ENGINES)}",
+    )
     _need(
         isinstance(version, str) and version_key(version) is not None,
         where,

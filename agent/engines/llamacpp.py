@@ -24,8 +24,11 @@ Flags:
   ``-mg``/``--main-gpu 0`` (the first of the shard's GPUs, as CUDA_VISIBLE_DEVICES numbers them).
 - CPU-only: ``-ngl 0`` and an empty ``CUDA_VISIBLE_DEVICES``, so a CUDA build on a GPU node
   cannot wander onto GPUs another shard owns.
-- ``--api-key KEY``: the shard's secret (``StartShard.api_key``): ``/v1/*`` answers 401 without it,
-  ``/health`` and ``/metrics`` stay open (the supervisor's probes and drain read them).
+- ``--api-key-file FNAME``: the shard's secret (``StartShard.api_key``), in a 0600 file in the
+  agent's key directory (``LaunchContext.key_dir``) that the supervisor writes before the spawn
+  and removes when the engine exits, so ``ps`` does not show it as it would ``--api-key KEY``:
+  ``/v1/*`` answers 401 without it, ``/health`` and ``/metrics`` stay open (the supervisor's
+  probes and drain read them).
 
 The whole command line, ``extra_args`` included, is checked against the flag set of the build the
 node runs (``agent/engines/flags/llamacpp-<build>.json``, from that build's ``--help`` by
@@ -54,12 +57,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import base
-from agent.engines.base import Command, Engine, LaunchContext, ProfileRefused, Readiness, StopBehaviour
+from agent.engines.base import Command, Engine, LaunchContext, ProfileRefused, ShardSpec, StopBehaviour
 
 NAME = "llamacpp"
+DESCRIPTOR = enginedefs.BY_NAME[NAME]
 
 #: Concurrent sequences (``-np``). Four is llama-server's own automatic choice.
 SLOTS = 4
@@ -115,18 +120,13 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
     """CPU-only nodes are fine (no GPUs given); otherwise every layer must fit the GPUs."""
     base.check_required(profile, NAME)
     base.check_env(profile)
-    if profile.dtype not in ("", "auto"):
-        raise ProfileRefused(
-            "dtype",
-            f"dtype {profile.dtype!r} has no llama.cpp flag: a GGUF file fixes its own weight "
-            "types; leave dtype empty (or 'auto') and name the GGUF type in quantization",
-        )
-    if profile.quantization and profile.quantization.lower() not in {t.lower() for t in GGUF_TYPES}:
-        raise ProfileRefused(
-            "quantization",
-            f"quantization {profile.quantization!r} is not a GGUF type llama.cpp loads; "
-            f"choices: {', '.join(GGUF_TYPES)}",
-        )
+    base.check_weights_fixed_by_checkpoint(
+        profile,
+        GGUF_TYPES,
+        dtype_why="has no llama.cpp flag: a GGUF file fixes its own weight types; leave dtype empty "
+        "(or 'auto') and name the GGUF type in quantization",
+        quantization_of="a GGUF type llama.cpp loads",
+    )
     base.check_nnodes(
         nnodes, NAME, "llama-server has no multi-node launcher (its RPC backend is not driven by llmgw)"
     )
@@ -153,52 +153,31 @@ def tensor_split(spec: schema.StartShard, known: Sequence[GpuInfo]) -> str:
     return ",".join(f"{sizes[i] / total:.4g}" for i in spec.gpu_indices)
 
 
-def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
+#: ``-c`` is not the profile's context length (it is shared by the slots): set below.
+SPELLING = base.Spelling(model="-m", served_name="--alias", after_port=("--metrics",))
+
+
+def build_command(shard: ShardSpec, ctx: LaunchContext) -> Command:
     """The launch for the node's llama.cpp build; raises ProfileRefused for what it would refuse."""
-    profile = base.require_profile(spec)
     fs = base.flag_set(NAME, ctx)
-    base.check_values(fs, spec)
-    tp, _ = base.parallel_sizes(profile)
-    argv = [
-        "-m",
-        profile.model,
-        "--alias",
-        base.served_name(profile),
-        "--host",
-        ctx.host,
-        "--port",
-        str(spec.http_port),
-        "--metrics",
-    ]
-    if profile.max_model_len:
-        argv += ["-c", str(profile.max_model_len * SLOTS)]
+    argv = base.profile_argv(fs, shard, ctx, SPELLING)
+    if shard.profile.max_model_len:
+        argv += ["-c", str(shard.profile.max_model_len * SLOTS)]
     argv += ["-np", str(SLOTS)]
     env: dict[str, str]
-    if spec.gpu_indices:
-        argv += ["-ngl", "999", "--split-mode", "row" if tp > 1 else "layer"]
-        split = tensor_split(spec, ctx.gpus)
+    if shard.spec.gpu_indices:
+        argv += ["-ngl", "999", "--split-mode", "row" if shard.tp > 1 else "layer"]
+        split = tensor_split(shard.spec, ctx.gpus)
         if split:
             argv += ["--tensor-split", split]
         argv += ["--main-gpu", "0"]
-        env = base.gpu_env(spec)
+        env = base.gpu_env(shard.spec)
     else:
         argv += ["-ngl", "0"]
         env = {"CUDA_VISIBLE_DEVICES": ""}
-    if spec.api_key:
-        base.check_no_api_key_option(fs, spec)
-        argv += ["--api-key", spec.api_key]
-    argv += profile.extra_args
-    base.check_command_line(fs, argv)
-    return Command(argv=(*ctx.argv_prefix, *argv), env=base.merge_env(env, profile))
+    return base.assemble(DESCRIPTOR, fs, shard, ctx, argv=argv, env=env)
 
 
-def readiness(spec: schema.StartShard) -> Readiness:
-    return Readiness(
-        health_path="/health",
-        models_path="/v1/models",
-        model_name=base.served_name(base.require_profile(spec)),
-        loading_statuses=(503,),
-    )
-
-
-ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)
+ENGINE = Engine(
+    name=NAME, validate=validate, build_command=build_command, readiness=base.openai_readiness, stop=STOP
+)

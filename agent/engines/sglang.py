@@ -13,7 +13,12 @@ Flags, all read from ``python/sglang/srt/server_args.py`` (sgl-project/sglang),
   0.83-0.9, which is why the memory estimate assumes 0.85).
 - Multi-node: ``--nnodes``, ``--node-rank``, ``--dist-init-addr HOST:PORT`` (alias
   ``--nccl-init-addr``); tp * pp GPUs are split evenly over the nodes.
-- ``--api-key KEY``: the shard's secret (``StartShard.api_key``).
+- ``--api-key KEY``: the shard's secret (``StartShard.api_key``). SGLang reads no variable for it
+  (``ServerArgs.api_key`` comes from the arguments only), but ``--config FILE.yaml``
+  (``sglang/srt/server_args_config_parser.py``, in every version with a flag file) turns a YAML
+  file's keys into arguments inside the process: the key goes there (``api-key: KEY``, a 0600
+  file in the agent's key directory), out of sight of ``ps``. SGLang takes one ``--config``: a
+  profile that passes its own in ``extra_args`` gets the key on the command line.
 
 Choices are not typed here: ``--dtype`` and ``--quantization`` are checked against the flag set of
 the version the node runs (``agent/engines/flags/sglang-<version>.json``, produced from SGLang's
@@ -34,12 +39,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import base
-from agent.engines.base import Command, Engine, LaunchContext, Readiness, StopBehaviour
+from agent.engines.base import Command, Engine, LaunchContext, ShardSpec, StopBehaviour
 
 NAME = "sglang"
+DESCRIPTOR = enginedefs.BY_NAME[NAME]
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 
@@ -51,50 +58,35 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
     ``build_command``, where the node's version is known."""
     base.check_required(profile, NAME)
     base.check_env(profile)
-    base.check_gpus_present(gpus, NAME)
-    base.check_parallel_fit(profile, gpus, nnodes)
-    base.check_capability(profile, gpus)
-    base.check_memory_fit(
+    base.check_gpu_fit(
         profile,
         gpus,
         nnodes,
+        NAME,
         default_fraction=DEFAULT_MEM_FRACTION_STATIC,
         fraction_name="mem_fraction_static",
     )
 
 
-def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
+SPELLING = base.Spelling(
+    model="--model-path",
+    served_name="--served-model-name",
+    tp="--tp-size",
+    pp="--pp-size",
+    dtype="--dtype",
+    quantization="--quantization",
+    max_len="--context-length",
+    memory_fraction="--mem-fraction-static",
+)
+
+
+def build_command(shard: ShardSpec, ctx: LaunchContext) -> Command:
     """The launch for the node's SGLang version; raises ProfileRefused for what it would refuse."""
-    profile = base.require_profile(spec)
     fs = base.flag_set(NAME, ctx)
-    base.check_values(fs, spec)
-    base.check_flag_choice(fs, "--dtype", profile.dtype, "dtype", profile.extra_args)
-    base.check_flag_choice(fs, "--quantization", profile.quantization, "quantization", profile.extra_args)
-    tp, pp = base.parallel_sizes(profile)
-    argv = [
-        "--model-path",
-        profile.model,
-        "--served-model-name",
-        base.served_name(profile),
-        "--host",
-        ctx.host,
-        "--port",
-        str(spec.http_port),
-        "--tp-size",
-        str(tp),
-        "--pp-size",
-        str(pp),
-    ]
-    if profile.dtype:
-        argv += ["--dtype", profile.dtype]
-    if profile.quantization:
-        argv += ["--quantization", profile.quantization]
-    if profile.max_model_len:
-        argv += ["--context-length", str(profile.max_model_len)]
-    if profile.gpu_memory_utilization:
-        argv += ["--mem-fraction-static", base.fmt_number(profile.gpu_memory_utilization)]
-    env = base.gpu_env(spec)
-    if spec.nnodes > 1:
+    argv = base.profile_argv(fs, shard, ctx, SPELLING)
+    env = base.gpu_env(shard.spec)
+    if shard.multinode:
+        spec = shard.spec
         argv += [
             "--nnodes",
             str(spec.nnodes),
@@ -104,22 +96,9 @@ def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
             base.host_port(spec.master_addr, spec.master_port),
         ]
         env.update(base.multinode_env(ctx))
-    if spec.api_key:
-        base.check_no_api_key_option(fs, spec)
-        argv += ["--api-key", spec.api_key]
-    argv += profile.extra_args
-    base.check_command_line(fs, argv)
-    return Command(argv=(*ctx.argv_prefix, *argv), env=base.merge_env(env, profile))
+    return base.assemble(DESCRIPTOR, fs, shard, ctx, argv=argv, env=env)
 
 
-def readiness(spec: schema.StartShard) -> Readiness:
-    if spec.nnodes > 1 and spec.node_rank > 0:
-        return Readiness.rank0()
-    return Readiness(
-        health_path="/health",
-        models_path="/v1/models",
-        model_name=base.served_name(base.require_profile(spec)),
-    )
-
-
-ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)
+ENGINE = Engine(
+    name=NAME, validate=validate, build_command=build_command, readiness=base.openai_readiness, stop=STOP
+)

@@ -38,14 +38,15 @@ drain flag.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import PurePosixPath
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import base
-from agent.engines.base import Command, Engine, LaunchContext, ProfileRefused, Readiness, StopBehaviour
+from agent.engines.base import Command, Engine, LaunchContext, ProfileRefused, ShardSpec, StopBehaviour
 
 NAME = "trtllm"
+DESCRIPTOR = enginedefs.BY_NAME[NAME]
 VERSION = "1.2"
 
 #: ``QuantAlgo`` members, lower-cased (matched case-insensitively).
@@ -79,32 +80,17 @@ QUANT_ALGOS = (
 STOP = StopBehaviour(note="no drain flag at 1.2: SIGTERM aborts in-flight requests")
 
 
-def model_names(model: str) -> tuple[str, ...]:
-    """The names trtllm-serve may list ``model`` under: the argument itself, and for a filesystem
-    path its base name too (used when the path is a local checkpoint directory)."""
-    if model.startswith(("/", "./", "../", "~")):
-        base_name = PurePosixPath(model.rstrip("/")).name
-        if base_name and base_name != model:
-            return (model, base_name)
-    return (model,)
-
-
 def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1) -> None:
     base.check_required(profile, NAME)
     base.check_env(profile)
-    if profile.dtype not in ("", "auto"):
-        raise ProfileRefused(
-            "dtype",
-            f"dtype {profile.dtype!r} has no trtllm-serve {VERSION} flag: the checkpoint sets it "
-            "(or a --config YAML passed in extra_args); leave dtype empty",
-        )
-    if profile.quantization and profile.quantization.lower() not in QUANT_ALGOS:
-        raise ProfileRefused(
-            "quantization",
-            f"quantization {profile.quantization!r} is not a TensorRT-LLM {VERSION} QuantAlgo; "
-            f"choices: {', '.join(QUANT_ALGOS)}",
-        )
-    names = model_names(profile.model)
+    base.check_weights_fixed_by_checkpoint(
+        profile,
+        QUANT_ALGOS,
+        dtype_why=f"has no trtllm-serve {VERSION} flag: the checkpoint sets it "
+        "(or a --config YAML passed in extra_args); leave dtype empty",
+        quantization_of=f"a TensorRT-LLM {VERSION} QuantAlgo",
+    )
+    names = enginedefs.model_names(profile.model)
     if profile.served_model_name not in names:
         served_as = " or ".join(repr(n) for n in names)
         raise ProfileRefused(
@@ -118,13 +104,11 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
         "multi-node TensorRT-LLM needs an MPI launcher (trtllm-llmapi-launch under mpirun or "
         "srun), which llmgw does not drive",
     )
-    base.check_gpus_present(gpus, NAME)
-    base.check_parallel_fit(profile, gpus, nnodes)
-    base.check_capability(profile, gpus)
-    base.check_memory_fit(
+    base.check_gpu_fit(
         profile,
         gpus,
         nnodes,
+        NAME,
         default_fraction=1.0,
         fraction_name="weights share",
         use_profile_fraction=False,
@@ -134,47 +118,26 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
 #: The words before the arguments a flag set describes (its ``program`` is ``trtllm-serve serve``).
 SUBCOMMAND = "serve"
 
+#: The profile's memory fraction maps onto the KV cache's share of what the weights leave.
+SPELLING = base.Spelling(
+    after_port=("--backend", "pytorch"),
+    tp="--tp_size",
+    pp="--pp_size",
+    max_len="--max_seq_len",
+    memory_fraction="--kv_cache_free_gpu_memory_fraction",
+)
 
-def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
-    """The launch for the node's TensorRT-LLM version; raises ProfileRefused for what it would refuse."""
-    profile = base.require_profile(spec)
+
+def build_command(shard: ShardSpec, ctx: LaunchContext) -> Command:
+    """The launch for the node's TensorRT-LLM version; raises ProfileRefused for what it would refuse
+    (a shard key among them: trtllm-serve has no key option, ``enginedefs``)."""
     fs = base.flag_set(NAME, ctx)
-    base.check_values(fs, spec)
-    base.check_no_api_key_option(fs, spec)
-    tp, pp = base.parallel_sizes(profile)
-    argv = [
-        profile.model,
-        "--host",
-        ctx.host,
-        "--port",
-        str(spec.http_port),
-        "--backend",
-        "pytorch",
-        "--tp_size",
-        str(tp),
-        "--pp_size",
-        str(pp),
-    ]
-    if profile.max_model_len:
-        argv += ["--max_seq_len", str(profile.max_model_len)]
-    if profile.gpu_memory_utilization:
-        argv += [
-            "--kv_cache_free_gpu_memory_fraction",
-            base.fmt_number(profile.gpu_memory_utilization),
-        ]
-    argv += profile.extra_args
-    base.check_command_line(fs, argv)
-    return Command(
-        argv=(*ctx.argv_prefix, SUBCOMMAND, *argv), env=base.merge_env(base.gpu_env(spec), profile)
+    argv = base.profile_argv(fs, shard, ctx, SPELLING)
+    return base.assemble(
+        DESCRIPTOR, fs, shard, ctx, argv=argv, env=base.gpu_env(shard.spec), subcommand=(SUBCOMMAND,)
     )
 
 
-def readiness(spec: schema.StartShard) -> Readiness:
-    return Readiness(
-        health_path="/health",
-        models_path="/v1/models",
-        model_name=base.served_name(base.require_profile(spec)),
-    )
-
-
-ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)
+ENGINE = Engine(
+    name=NAME, validate=validate, build_command=build_command, readiness=base.openai_readiness, stop=STOP
+)

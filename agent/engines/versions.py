@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 import trio
 
+import enginedefs
 import schema
 
 #: Seconds one version command may take. Python engines answer from package metadata in well
@@ -46,8 +47,9 @@ TIMEOUT = 5.0
 #: Longest version string or error reported: the control plane shows them in tables.
 MAX_TEXT = 240
 
-#: The distribution whose metadata says a Python engine's version, when the engine runs from it.
-PACKAGES: Mapping[str, str] = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
+#: The distribution whose metadata says a Python engine's version, when the engine runs from it
+#: (each descriptor's ``version.package``).
+PACKAGES: Mapping[str, str] = {d.name: d.version.package for d in enginedefs.DESCRIPTORS if d.version.package}
 
 #: Commands that start a container: ``--version`` appended to one would start the engine's image
 #: (pulling it first, maybe), and killing the client on the deadline would not stop the container.
@@ -129,7 +131,8 @@ def plan_probe(engine: str, argv_prefix: Sequence[str], script: tuple[str, ...] 
         return Probe((*argv, "--version"), "text")
     if package is not None and script is not None and len(argv) == 1:
         return Probe((*script, "-c", METADATA_SNIPPET, package), "metadata")
-    return Probe((*argv, "--version"), "llamacpp" if engine == "llamacpp" else "text")
+    descriptor = enginedefs.lookup(engine)
+    return Probe((*argv, "--version"), descriptor.version.reads if descriptor is not None else "text")
 
 
 def read_version(probe: Probe, stdout: str, stderr: str) -> str:

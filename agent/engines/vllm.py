@@ -18,8 +18,11 @@ Flags, and where each was read (vllm-project/vllm):
   only when the node's version has it (older vLLM exits on the unknown flag; a node older than
   the oldest flag file gets none, ``base.older_than_its_file``), and set below the supervisor's
   SIGKILL deadline (``base.drain_seconds``).
-- ``--api-key KEY``: the shard's secret (``StartShard.api_key``); vLLM answers 401 on ``/v1/*``
-  without it and leaves ``/health`` and ``/metrics`` open, which the supervisor's probes use.
+- The shard's secret (``StartShard.api_key``) goes in ``VLLM_API_KEY``, not on the command line
+  where ``ps`` shows it: ``vllm/entrypoints/openai/api_server.py`` takes ``args.api_key or
+  envs.VLLM_API_KEY``. The version must still have ``--api-key`` (the same check). vLLM answers 401
+  on ``/v1/*`` without it and leaves ``/health`` and ``/metrics`` open, which the supervisor's
+  probes use.
 
 Choices are not typed here: ``--dtype`` and ``--quantization`` are checked against the flag set of
 the version the node runs (``agent/engines/flags/vllm-<version>.json``, produced from vLLM's own
@@ -34,12 +37,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import base, flagsets
-from agent.engines.base import Command, Engine, LaunchContext, Readiness, StopBehaviour
+from agent.engines.base import Command, Engine, LaunchContext, ShardSpec, StopBehaviour
 
 NAME = "vllm"
+DESCRIPTOR = enginedefs.BY_NAME[NAME]
 
 #: The words before the arguments a flag set describes (its ``program`` is ``vllm serve``).
 SUBCOMMAND = "serve"
@@ -53,7 +58,7 @@ def _choices(flag: str) -> tuple[str, ...]:
 
 
 #: The oldest vLLM file's choices, for callers that check a profile without a node's version
-#: (the simulator's adapter); the adapter itself checks the node's version in ``build_argv``.
+#: (the simulator's adapter); the adapter itself checks the node's version in ``build_command``.
 VERSION = flagsets.for_version(NAME, "").version
 DTYPES = _choices("--dtype")
 QUANTIZATIONS = _choices("--quantization")
@@ -75,52 +80,36 @@ def validate_as(
     engine: str, profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: int = 1
 ) -> None:
     """The vLLM rules under another adapter's name (the simulator speaks vLLM's command line).
-    The version's choices are checked where the version is known, in ``build_argv``."""
+    The version's choices are checked where the version is known, in ``build_command``."""
     base.check_required(profile, engine)
     base.check_env(profile)
-    base.check_gpus_present(gpus, engine)
-    base.check_parallel_fit(profile, gpus, nnodes)
-    base.check_capability(profile, gpus)
-    base.check_memory_fit(profile, gpus, nnodes, default_fraction=DEFAULT_GPU_MEMORY_UTILIZATION)
+    base.check_gpu_fit(profile, gpus, nnodes, engine, default_fraction=DEFAULT_GPU_MEMORY_UTILIZATION)
 
 
-def build_argv(spec: schema.StartShard, ctx: LaunchContext) -> tuple[str, ...]:
-    """``vllm serve`` argv for the node's vLLM version; shared with the simulator, which parses it
-    with the same version's flag set. Raises ProfileRefused for what that version would refuse."""
-    profile = base.require_profile(spec)
-    fs = base.flag_set(NAME, ctx)
-    base.check_values(fs, spec)
-    base.check_flag_choice(fs, "--dtype", profile.dtype, "dtype", profile.extra_args)
-    base.check_flag_choice(fs, "--quantization", profile.quantization, "quantization", profile.extra_args)
-    tp, pp = base.parallel_sizes(profile)
-    argv = [
-        profile.model,
-        "--served-model-name",
-        base.served_name(profile),
-        "--host",
-        ctx.host,
-        "--port",
-        str(spec.http_port),
-        "--tensor-parallel-size",
-        str(tp),
-        "--pipeline-parallel-size",
-        str(pp),
-    ]
-    if profile.dtype:
-        argv += ["--dtype", profile.dtype]
-    if profile.quantization:
-        argv += ["--quantization", profile.quantization]
-    if profile.max_model_len:
-        argv += ["--max-model-len", str(profile.max_model_len)]
-    if profile.gpu_memory_utilization:
-        argv += ["--gpu-memory-utilization", base.fmt_number(profile.gpu_memory_utilization)]
+SPELLING = base.Spelling(
+    served_name="--served-model-name",
+    tp="--tensor-parallel-size",
+    pp="--pipeline-parallel-size",
+    dtype="--dtype",
+    quantization="--quantization",
+    max_len="--max-model-len",
+    memory_fraction="--gpu-memory-utilization",
+)
+
+
+def build_as(
+    descriptor: enginedefs.EngineDescriptor, shard: ShardSpec, ctx: LaunchContext, env: dict[str, str]
+) -> Command:
+    """``vllm serve`` for the node's vLLM version, as ``descriptor`` takes its key; shared with the
+    simulator, which parses it with the same version's flag set. Raises ProfileRefused for what
+    that version would refuse."""
+    fs = base.flag_set(descriptor.flags, ctx)
+    argv = base.profile_argv(fs, shard, ctx, SPELLING)
     drain = base.drain_seconds(ctx.shutdown_timeout_seconds)
     if drain > 0 and fs.option("--shutdown-timeout") is not None and not base.older_than_its_file(fs, ctx):
         argv += ["--shutdown-timeout", str(drain)]
-    if spec.api_key:
-        base.check_no_api_key_option(fs, spec)
-        argv += ["--api-key", spec.api_key]
-    if spec.nnodes > 1:
+    spec = shard.spec
+    if shard.multinode:
         argv += [
             "--nnodes",
             str(spec.nnodes),
@@ -131,33 +120,18 @@ def build_argv(spec: schema.StartShard, ctx: LaunchContext) -> tuple[str, ...]:
             "--master-port",
             str(spec.master_port),
         ]
-        if spec.node_rank > 0:
+        if shard.follows_rank0:
             argv.append("--headless")
-    argv += profile.extra_args
-    base.check_command_line(fs, argv)
-    return (*ctx.argv_prefix, SUBCOMMAND, *argv)
+    return base.assemble(descriptor, fs, shard, ctx, argv=argv, env=env, subcommand=(SUBCOMMAND,))
 
 
-def build_env(spec: schema.StartShard, ctx: LaunchContext) -> dict[str, str]:
-    profile = base.require_profile(spec)
-    env = base.gpu_env(spec)
-    if spec.nnodes > 1:
+def build_command(shard: ShardSpec, ctx: LaunchContext) -> Command:
+    env = base.gpu_env(shard.spec)
+    if shard.multinode:
         env.update(base.multinode_env(ctx))
-    return base.merge_env(env, profile)
+    return build_as(DESCRIPTOR, shard, ctx, env)
 
 
-def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
-    return Command(argv=build_argv(spec, ctx), env=build_env(spec, ctx))
-
-
-def readiness(spec: schema.StartShard) -> Readiness:
-    if spec.nnodes > 1 and spec.node_rank > 0:
-        return Readiness.rank0()
-    return Readiness(
-        health_path="/health",
-        models_path="/v1/models",
-        model_name=base.served_name(base.require_profile(spec)),
-    )
-
-
-ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)
+ENGINE = Engine(
+    name=NAME, validate=validate, build_command=build_command, readiness=base.openai_readiness, stop=STOP
+)

@@ -23,15 +23,18 @@ import attrs
 import httpx
 import trio
 
+import enginedefs
 import schema
 from agent.engines import Readiness
 from agent.engines.base import listed_names
 
 State = schema.ShardState
 
-# Gauges of in-flight requests, by engine: a drain waits for these to reach zero before stopping.
+# Gauges of in-flight requests, every engine's (``enginedefs``: ``publishes.in_flight``): a drain
+# waits for these to reach zero before stopping.
+_GAUGES = sorted({g for d in enginedefs.DESCRIPTORS for g in d.publishes.in_flight})
 IN_FLIGHT = re.compile(
-    rb"^(vllm:num_requests_running|sglang:num_running_reqs|llamacpp:requests_processing|llamacpp:requests_deferred)(\{[^}]*\})?\s+([0-9.eE+-]+)",
+    rb"^(" + b"|".join(re.escape(g.encode()) for g in _GAUGES) + rb")(\{[^}]*\})?\s+([0-9.eE+-]+)",
     re.MULTILINE,
 )
 

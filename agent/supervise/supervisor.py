@@ -56,6 +56,7 @@ import attrs
 import httpx
 import trio
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import Launch, LaunchContext, ProfileRefused, plan
@@ -214,6 +215,30 @@ def _describe_exit(code: int) -> tuple[int, str]:
     return code, f"exited with code {code}"
 
 
+def write_files(files: Mapping[str, str]) -> None:
+    """An engine's secret files (``Command.files``), mode 0600 from their creation on, so the key is
+    never readable by another user for a moment; a stale one (a crash-looping engine's) is
+    replaced. Blocks: call it from a worker thread."""
+    for path, content in files.items():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, content.encode())
+        finally:
+            os.close(fd)
+
+
+def remove_files(files: Mapping[str, str]) -> None:
+    """Remove an engine's secret files once it has exited (missing ones are fine). Blocks."""
+    for path in files:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", path, exc.strerror or exc)
+
+
 class Supervisor:
     """Spawns, watches, drains, stops and re-adopts engine processes; see the module docstring."""
 
@@ -263,6 +288,8 @@ class Supervisor:
         #: The marker value that makes an engine this agent's: its state directory, absolute.
         self.owner = os.path.abspath(state_dir)
         self.records = RecordStore(state_dir)
+        #: Key files of engines that read the shard's key from a file (``Command.files``).
+        self.key_dir = Path(self.owner) / "keys"
         self.shards: dict[str, Shard] = {}
         #: Shards being spawned: not announced until their pid is known.
         self._pending: dict[str, Shard] = {}
@@ -284,6 +311,21 @@ class Supervisor:
     def _create_dirs(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.records.create()
+        self.key_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.key_dir, 0o700)
+
+    def _sweep_keys(self, keep: set[str]) -> None:
+        """Remove every key file but ``keep``'s (blocking)."""
+        try:
+            stale = [str(p) for p in self.key_dir.iterdir() if str(p) not in keep]
+        except OSError as exc:
+            log.warning("cannot list %s: %s", self.key_dir, exc.strerror or exc)
+            return
+        remove_files(dict.fromkeys(stale, ""))
+
+    def _context(self, engine: str) -> LaunchContext:
+        """The engine's launch context, with this supervisor's key directory."""
+        return attrs.evolve(self.launch_context(engine), key_dir=str(self.key_dir))
 
     def _survey(self) -> tuple[list[adopt.Decision], list[str]]:
         """Records and ``/proc``, read in a worker thread, and what to do about each shard."""
@@ -336,6 +378,10 @@ class Supervisor:
                 )
                 assert self._nursery is not None
                 self._nursery.start_soon(self._end_stray, decision.pid, decision.start_time)
+        # Key files of engines that did not survive the agent's absence (the files of the adopted
+        # ones stay until they exit): nothing else would ever remove them.
+        keep = {path for shard in adopted if shard.launch for path in shard.launch.command.files}
+        await trio.to_thread.run_sync(self._sweep_keys, keep)
         # Each adopted engine is probed once, together and bounded, so that the first Register
         # already says READY for a healthy one (the router would otherwise lose it for a moment).
         async with trio.open_nursery() as probes:
@@ -384,7 +430,7 @@ class Supervisor:
         )
         shard.spawned.set()
         try:
-            shard.launch = plan(spec, self.gpus, self.launch_context(engine))
+            shard.launch = plan(spec, self.gpus, self._context(engine))
         except ProfileRefused as exc:
             log.warning(
                 "adopted shard %s no longer validates (%s); watching it anyway", decision.shard_id, exc
@@ -502,7 +548,7 @@ class Supervisor:
         engine = spec.profile.engine if spec.profile else ""
         shard = Shard(spec=spec, engine=engine)
         try:
-            shard.launch = plan(spec, self.gpus, self.launch_context(engine))
+            shard.launch = plan(spec, self.gpus, self._context(engine))
         except ProfileRefused as exc:
             shard.spawned.set()
             self.shards[spec.shard_id] = shard
@@ -571,6 +617,12 @@ class Supervisor:
             ) from exc
         self._test_hook("after-intent")
         command = launch.command
+        try:
+            write_files(command.files)
+        except OSError as exc:
+            remove_files(command.files)
+            self.records.remove(spec.shard_id)
+            raise LaunchFailed(f"cannot write the engine's key file: {exc.strerror or exc}") from exc
         # Ours last: a profile's env must not be able to disown or misname the engine.
         env = engine_environment(
             os.environ,
@@ -598,6 +650,7 @@ class Supervisor:
                     close_fds=True,
                 )
         except OSError as exc:
+            remove_files(command.files)
             self.records.remove(spec.shard_id)
             raise LaunchFailed(f"cannot start {command.argv[0]}: {exc.strerror or exc}") from exc
         self._test_hook("after-spawn")
@@ -689,6 +742,8 @@ class Supervisor:
             code = await self._wait_exit(shard)
             nursery.cancel_scope.cancel()
         await trio.to_thread.run_sync(self.records.remove, shard.shard_id)
+        if shard.launch is not None:
+            await trio.to_thread.run_sync(remove_files, shard.launch.command.files)
         output = await trio.to_thread.run_sync(self._tail, shard)
         shard.running = False
         if code is None:
@@ -864,9 +919,11 @@ class Supervisor:
             self._begin_stop(shard, deadline or self.stop_grace)
             return
         end = trio.current_time() + deadline
+        descriptor = enginedefs.lookup(shard.engine)
+        metrics = descriptor.publishes.metrics_path if descriptor is not None else "/metrics"
         async with self._client(shard, timeout=2.0) as client:
             while trio.current_time() < end and shard.state is State.DRAINING:
-                if await in_flight(client, "/metrics") == 0:
+                if await in_flight(client, metrics) == 0:
                     break
                 await trio.sleep(min(self.poll_interval, max(end - trio.current_time(), 0)))
         if shard.state is State.DRAINING:

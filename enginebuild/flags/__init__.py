@@ -10,15 +10,18 @@ One module per engine, each an :class:`Extractor`: ``VERSIONS`` (what ``nox -s f
 regenerates), ``fetch(version, workdir) -> (source_dir, description)`` (download the pinned
 package without its dependencies, unpack the source) and ``extract(source_dir, version) -> dict``
 (the format-1 document, built with :func:`enginebuild.flags.core.document`). A new engine is a
-module and one line in :data:`EXTRACTORS`.
+module here, named by its descriptor's ``extractor`` (``enginedefs``): :data:`EXTRACTORS` is
+derived from the descriptors.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from enginebuild.flags import llamacpp, sglang, trtllm, vllm
+import enginedefs
 
 
 class Extractor(Protocol):
@@ -30,9 +33,9 @@ class Extractor(Protocol):
     def extract(self, source_dir: Path, version: str) -> dict[str, Any]: ...
 
 
-EXTRACTORS: dict[str, Extractor] = {
-    "vllm": vllm,
-    "sglang": sglang,
-    "trtllm": trtllm,
-    "llamacpp": llamacpp,
+#: Every engine with flag files of its own, and the module that writes them.
+EXTRACTORS: Mapping[str, Extractor] = {
+    d.name: cast(Extractor, importlib.import_module(d.extractor))
+    for d in enginedefs.DESCRIPTORS
+    if d.extractor
 }

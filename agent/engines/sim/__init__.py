@@ -53,12 +53,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import enginedefs
 import schema
 from agent.discovery.model import GpuInfo
 from agent.engines import base, vllm
-from agent.engines.base import Command, Engine, LaunchContext, Readiness, StopBehaviour
+from agent.engines.base import Command, Engine, LaunchContext, ShardSpec, StopBehaviour
 
 NAME = "sim"
+DESCRIPTOR = enginedefs.BY_NAME[NAME]
 
 #: How the agent starts the simulator: this interpreter, this package.
 ARGV_PREFIX = (sys.executable, "-m", "agent.engines.sim")
@@ -75,24 +77,22 @@ def validate(profile: schema.EngineProfile, gpus: Sequence[GpuInfo], *, nnodes: 
     CPU-only nodes too (a demo fleet can be laptops)."""
     base.check_required(profile, NAME)
     base.check_env(profile)
-    # dtype and quantization are checked by ``vllm.build_argv`` against the flag file of the vLLM
+    # dtype and quantization are checked by ``vllm.build_as`` against the flag file of the vLLM
     # version the simulator imitates on this node (it reports it as its own version).
     if gpus:
         vllm.validate_as(NAME, profile, gpus, nnodes=nnodes)
 
 
-def build_command(spec: schema.StartShard, ctx: LaunchContext) -> Command:
-    """vLLM's argv exactly (the simulator parses it), with the GPU pinning only when GPUs are
-    assigned: an empty CUDA_VISIBLE_DEVICES is meaningless to the simulator but confusing in logs."""
-    profile = base.require_profile(spec)
-    env: dict[str, str] = base.gpu_env(spec) if spec.gpu_indices else {}
-    if spec.nnodes > 1:
+def build_command(shard: ShardSpec, ctx: LaunchContext) -> Command:
+    """vLLM's argv exactly (the simulator parses it), its key in ``VLLM_API_KEY`` as vLLM takes it,
+    with the GPU pinning only when GPUs are assigned: an empty CUDA_VISIBLE_DEVICES is meaningless
+    to the simulator but confusing in logs."""
+    env: dict[str, str] = base.gpu_env(shard.spec) if shard.spec.gpu_indices else {}
+    if shard.multinode:
         env.update(base.multinode_env(ctx))
-    return Command(argv=vllm.build_argv(spec, ctx), env=base.merge_env(env, profile))
+    return vllm.build_as(DESCRIPTOR, shard, ctx, env)
 
 
-def readiness(spec: schema.StartShard) -> Readiness:
-    return vllm.readiness(spec)
-
-
-ENGINE = Engine(name=NAME, validate=validate, build_command=build_command, readiness=readiness, stop=STOP)
+ENGINE = Engine(
+    name=NAME, validate=validate, build_command=build_command, readiness=base.openai_readiness, stop=STOP
+)

@@ -19,7 +19,7 @@ import argparse
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 
@@ -222,29 +222,22 @@ def _api_keys(flag: str | list[str] | None, environ: Mapping[str, str]) -> list[
     return [key] if key else []
 
 
-def _float_knob(flag: float | None, environ: Mapping[str, str], name: str, default: float) -> float:
-    """--sim-* flag, else the LLMGW_SIM_* variable, else the default."""
+#: A knob's value type.
+T = TypeVar("T", int, float)
+
+
+def _knob(flag: T | None, environ: Mapping[str, str], name: str, default: T, kind: type[T]) -> T:
+    """--sim-* flag, else the LLMGW_SIM_* variable (a ``kind``: int or float), else the default."""
     if flag is not None:
         return flag
     raw = environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        return float(raw)
+        return kind(raw)
     except ValueError:
-        raise SimUsageError(f"{name}={raw!r} is not a number") from None
-
-
-def _int_knob(flag: int | None, environ: Mapping[str, str], name: str, default: int) -> int:
-    if flag is not None:
-        return flag
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise SimUsageError(f"{name}={raw!r} is not an integer") from None
+        what = "an integer" if kind is int else "a number"
+        raise SimUsageError(f"{name}={raw!r} is not {what}") from None
 
 
 def _hang_points(raw: str, source: str) -> frozenset[str]:
@@ -325,14 +318,14 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
         shutdown_timeout=float(ns.shutdown_timeout or 0),
         api_keys=tuple(_api_keys(ns.api_key, environ)),
         vllm_version=fs.version,
-        load_seconds=_float_knob(ns.sim_load_seconds, environ, "LLMGW_SIM_LOAD_SECONDS", 1.0),
-        ttft_ms=_float_knob(ns.sim_ttft_ms, environ, "LLMGW_SIM_TTFT_MS", 50.0),
-        itl_ms=_float_knob(ns.sim_itl_ms, environ, "LLMGW_SIM_ITL_MS", 10.0),
+        load_seconds=_knob(ns.sim_load_seconds, environ, "LLMGW_SIM_LOAD_SECONDS", 1.0, float),
+        ttft_ms=_knob(ns.sim_ttft_ms, environ, "LLMGW_SIM_TTFT_MS", 50.0, float),
+        itl_ms=_knob(ns.sim_itl_ms, environ, "LLMGW_SIM_ITL_MS", 10.0, float),
         fail_loading=_fail_message(fail_raw),
-        exit_after=_float_knob(ns.sim_exit_after, environ, "LLMGW_SIM_EXIT_AFTER", 0.0),
-        exit_code=_int_knob(ns.sim_exit_code, environ, "LLMGW_SIM_EXIT_CODE", 1),
+        exit_after=_knob(ns.sim_exit_after, environ, "LLMGW_SIM_EXIT_AFTER", 0.0, float),
+        exit_code=_knob(ns.sim_exit_code, environ, "LLMGW_SIM_EXIT_CODE", 1, int),
         hang=_hang_points(hang_raw, hang_source),
-        default_max_tokens=_int_knob(ns.sim_max_tokens, environ, "LLMGW_SIM_MAX_TOKENS", 16),
+        default_max_tokens=_knob(ns.sim_max_tokens, environ, "LLMGW_SIM_MAX_TOKENS", 16, int),
         ignored=_not_simulated(fs, args_list),
     )
     for field, value in (
