@@ -58,6 +58,7 @@ import trio
 
 import enginedefs
 import schema
+import statefile
 from agent.discovery.model import GpuInfo
 from agent.engines import Launch, LaunchContext, ProfileRefused, plan
 from agent.supervise import adopt, logfiles, procfs
@@ -216,16 +217,11 @@ def _describe_exit(code: int) -> tuple[int, str]:
 
 
 def write_files(files: Mapping[str, str]) -> None:
-    """An engine's secret files (``Command.files``), mode 0600 from their creation on, so the key is
-    never readable by another user for a moment; a stale one (a crash-looping engine's) is
-    replaced. Blocks: call it from a worker thread."""
+    """An engine's secret files (``Command.files``), through the one state-file write: mode 0600
+    from their creation on, so the key is never readable by another user for a moment, and a stale
+    one (a crash-looping engine's) replaced whole. Blocks: call it from a worker thread."""
     for path, content in files.items():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, content.encode())
-        finally:
-            os.close(fd)
+        statefile.write_atomic(Path(path), content, mode=0o600)
 
 
 def remove_files(files: Mapping[str, str]) -> None:
