@@ -74,6 +74,18 @@ UNKNOWN_MODEL = "(unknown)"
 _USAGE = re.compile(rb'"usage"\s*:\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
 
 
+# A stream's ``data: [DONE]`` event at the end of a body's tail, past the chunk framing around it
+# (the chunk's CRLF, and any part of the last chunk that came after it).
+_DONE_AT_END = re.compile(rb"data: ?\[DONE\]\r?\n\r?\n(?:\r\n)?(?:0[\r\n]*)?$")
+
+
+def ended_with_done(tail: bytes) -> bool:
+    """Whether a streamed body's last event was ``data: [DONE]``: the OpenAI stream's end. The
+    ``openai`` client closes its connection on reading it, without waiting for the chunked body's
+    own end, which engines write separately; such a client was answered whole, not one that left."""
+    return _DONE_AT_END.search(tail) is not None
+
+
 def usage_of(tail: bytes) -> tuple[int, int] | None:
     """(prompt_tokens, completion_tokens) from the last ``usage`` object in ``tail`` (a body's
     last bytes), or None when there is none or it does not parse."""
@@ -188,15 +200,16 @@ class Metrics:
     def observe_ttfb(self, model: str, seconds: float) -> None:
         self.ttfb.observe(model, seconds)
 
-    def body_ended(self, model: str, facts: StreamFacts, since: float | None) -> None:
-        """A response body ended (whole or not): its events' facts and usage, once per response.
-        ``since``: the request's arrival as ``time.monotonic`` seconds, for a streamed response's
-        time to first token and gaps (None: not a stream, only usage counts)."""
+    def body_ended(self, model: str, facts: StreamFacts, since: float | None, *, usage: bool) -> None:
+        """A response body ended (whole or not): its events' facts and, with ``usage``, the token
+        usage in its tail, once per response. ``since``: the request's arrival as
+        ``time.monotonic`` seconds, for a streamed response's time to first token and gaps (None:
+        not a stream)."""
         if since is not None and facts.events:
             self.ttft.observe(model, max(0.0, facts.first_at - since))
             if facts.events > 1:
                 self.itl.add(model, facts.gaps, facts.gap_sum)
-        if facts.tail:
+        if usage and facts.tail:
             usage = usage_of(facts.tail)
             if usage is not None:
                 self.prompt_tokens[model] = self.prompt_tokens.get(model, 0) + usage[0]

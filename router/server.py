@@ -115,7 +115,7 @@ from router.http1 import (
     status_block,
 )
 from router.limits import ClientLimits, connection_cap
-from router.metrics import UNKNOWN_MODEL, Metrics, monotonic_of
+from router.metrics import UNKNOWN_MODEL, Metrics, ended_with_done, monotonic_of
 from router.pool import Pool
 from router.relay import (
     DEFAULT_COALESCE_US,
@@ -229,6 +229,13 @@ class _Exchange:
     #: The response's usage is read from its last bytes: a JSON body, or a stream that asked for
     #: ``stream_options.include_usage``.
     want_usage: bool = False
+
+    @property
+    def want_tail(self) -> bool:
+        """Whether the relay keeps the body's last bytes: for its usage, and for a stream also to
+        tell a client that left after the stream's last event from one that left before it."""
+        return self.want_usage or self.stream
+
     #: What the relay learned about the response body (``router.relay.StreamFacts``), folded into
     #: /metrics once the request is answered.
     facts: StreamFacts | None = None
@@ -707,27 +714,33 @@ class Router:
             await self._forward(ex, routes, digest)
         except trio.Cancelled:
             if ex.client.eof:
-                self._client_left(model)
+                self._client_left(ex)
             raise
         except _ClientGone:
-            self._client_left(model)
+            self._client_left(ex)
             raise
         except _HANG_UP_EFFECTS as exc:
             if not ex.client.eof:
                 if isinstance(exc, _UpstreamBroken):
                     self.metrics.request(model, ex.status)
                 raise
-            self._client_left(model)
+            self._client_left(ex)
             raise _ClientGone() from None
         finally:
             if ex.facts is not None:  # once per response, however it ended
                 since = monotonic_of(self.clock(), ex.started) if ex.stream else None
-                self.metrics.body_ended(model, ex.facts, since)
+                self.metrics.body_ended(model, ex.facts, since, usage=ex.want_usage)
         self.metrics.request(model, ex.status)
 
-    def _client_left(self, model: str) -> None:
-        self.metrics.disconnects[model] = self.metrics.disconnects.get(model, 0) + 1
-        self.metrics.request(model, 499)
+    def _client_left(self, ex: _Exchange) -> None:
+        """Count a request whose client hung up before its response's end: a 499 and a
+        disconnect, unless the stream's last event (``data: [DONE]``) had gone out, after which
+        the ``openai`` client closes at once, answered whole (``ended_with_done``)."""
+        if ex.stream and ex.facts is not None and ended_with_done(ex.facts.tail):
+            self.metrics.request(ex.model, ex.status)
+            return
+        self.metrics.disconnects[ex.model] = self.metrics.disconnects.get(ex.model, 0) + 1
+        self.metrics.request(ex.model, 499)
 
     def _upstream_request(self, ex: _Exchange, target: Target, api_key: str = "") -> bytes:
         """The request head and body for the engine. An engine with a key of its own gets that key
@@ -912,7 +925,7 @@ class Router:
         )
         pump = cast(NativeRelayPump, self.pump)
         scanner = ChunkedScanner()  # where the body stopped, handed back if the pump is withdrawn
-        facts = ex.facts = StreamFacts(pump.gap_bounds, want_tail=ex.want_usage)
+        facts = ex.facts = StreamFacts(pump.gap_bounds, want_tail=ex.want_tail)
         ex.at_chunk_end = lambda: scanner.at_chunk_end
 
         def head_out(sent_at: float) -> None:
@@ -1037,7 +1050,7 @@ class Router:
         by the engine's socket directly, that is sooner than a wake-up through trio's loop, and
         it spares this task one wake-up per request."""
         scanner = ChunkedScanner()
-        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_usage)
+        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_tail)
         try:
             used = scanner.feed(buf) if buf else 0
         except _UpstreamBroken as exc:  # came with the head, which has not gone out: a 502
@@ -1076,7 +1089,7 @@ class Router:
         data = buf
         # Bodies here are JSON answers and errors (streams take _relay_chunked): only their
         # last bytes matter, for usage; a rare decoded stream counts its events too.
-        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_usage)
+        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_tail)
         if encode:  # chunks written here, whole, by this task
             ex.at_chunk_end = _whole_engine_chunks
         while True:

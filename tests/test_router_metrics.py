@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router import relay
 from router.config import load
-from router.metrics import TTFT_BUCKETS, UNKNOWN_MODEL, Metrics, usage_of
+from router.metrics import TTFT_BUCKETS, UNKNOWN_MODEL, Metrics, ended_with_done, usage_of
 from tests.support import free_port, poll
 from tests.test_router import MODEL, Engine, start_engine, stop_engines
 
@@ -140,6 +140,10 @@ def test_requests_ttft_itl_and_tokens_match_what_the_client_saw(
 
         got = poll("seven answered requests in /metrics", answered)
         assert value(got, "llmgw_router_requests_total", model=MODEL, status="200") == 7
+        # The openai client closes a stream's connection on its [DONE] event, often before the
+        # chunked body's end (the engine writes it separately) has reached it: answered, not gone.
+        assert value(got, "llmgw_router_requests_total", model=MODEL, status="499") == 0
+        assert value(got, "llmgw_router_client_disconnects_total", model=MODEL) == 0
         # Invented names share one series: a client cannot grow /metrics without bound.
         assert value(got, "llmgw_router_requests_total", model=UNKNOWN_MODEL, status="404") == 2
         assert not any("no-such-model" in str(labels) for _, labels in got)
@@ -172,6 +176,22 @@ def test_requests_ttft_itl_and_tokens_match_what_the_client_saw(
         assert om.text.endswith("# EOF\n")
     finally:
         router.stop()
+
+
+@pytest.mark.parametrize(
+    ("tail", "done"),
+    [
+        (b"data: {}\n\n\r\ne\r\ndata: [DONE]\n\n\r\n", True),  # the client has every event
+        (b"e\r\ndata: [DONE]\n\n\r\n0\r\n", True),  # and part of the body's end
+        (b"data:[DONE]\r\n\r\n", True),  # decoded for an HTTP/1.0 client, CRLF lines
+        (b"e\r\ndata: [DONE]\n", False),  # the event itself is cut short
+        (b'c\r\ndata: {"a"}\n\n\r\n', False),  # left mid-stream
+        (b'data: {"text": "data: [DONE]"}\n\n\r\n', False),  # the words inside generated text
+        (b"", False),
+    ],
+)
+def test_a_stream_that_ended_with_done_is_told_apart(tail: bytes, done: bool) -> None:
+    assert ended_with_done(tail) is done
 
 
 def version_of_router() -> str:
