@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
@@ -28,8 +29,15 @@ log = logging.getLogger("llmgw.router")
 
 
 async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve with ``config`` until cancelled; reports the bound port. With ``control`` the route
-    watch runs in this nursery beside the server and the router reads its table per request."""
+    """Serve with ``config`` until SIGTERM or SIGINT (or until cancelled); reports the bound port.
+    With ``control`` the route watch runs in this nursery beside the server and the router reads
+    its table per request.
+
+    A signal stops the router as a service (``Router.shutdown``): the listener closes at once, so
+    a load balancer's next connection goes elsewhere, and the responses in progress have
+    ``shutdown_grace`` seconds to end before they are cut; then this returns and the process
+    exits 0. A second signal during the grace ends the process at once: the handlers are back to
+    their defaults by then."""
     async with trio.open_nursery() as nursery:
         routes: RoutesFn
         pending: Callable[[], str] | None = None
@@ -47,23 +55,44 @@ async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.
         else:
             routes = static_routes(config.static_routes())
         router = Router.from_config(routes, config, pending=pending)
-        port = await nursery.start(
-            lambda task_status: router.serve(
-                config.host, config.port, reuse_port=config.reuse_port, task_status=task_status
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            port = await nursery.start(
+                lambda task_status: router.serve(
+                    config.host, config.port, reuse_port=config.reuse_port, task_status=task_status
+                )
             )
-        )
-        source = f"routes from {config.control}" if config.control else f"{len(config.static)} static routes"
-        announce(
-            config.log_settings,
-            "llmgw.router",
-            f"llmgw router listening on {config.host}:{port} (pid {os.getpid()}, "
-            f"{router.pump.kind} relay pump, {source})",
-            host=config.host,
-            port=port,
-            pid=os.getpid(),
-            relay_pump=router.pump.kind,
-        )
-        task_status.started(port)
+            source = (
+                f"routes from {config.control}" if config.control else f"{len(config.static)} static routes"
+            )
+            announce(
+                config.log_settings,
+                "llmgw.router",
+                f"llmgw router listening on {config.host}:{port} (pid {os.getpid()}, "
+                f"{router.pump.kind} relay pump, {source})",
+                host=config.host,
+                port=port,
+                pid=os.getpid(),
+                relay_pump=router.pump.kind,
+            )
+            task_status.started(port)
+            async for signum in signals:
+                log.info(
+                    "%s: stopping: the listener is closed; %d client connections have up to %g s to finish",
+                    signal.Signals(signum).name,
+                    router.connections,
+                    config.shutdown_grace,
+                )
+                break
+        cut = await router.shutdown(config.shutdown_grace)
+        if cut:
+            log.warning(
+                "router stopped: %d client connections still open after the %g s shutdown grace were cut",
+                cut,
+                config.shutdown_grace,
+            )
+        else:
+            log.info("router stopped: every response in progress ended")
+        nursery.cancel_scope.cancel()
 
 
 def static_table(table: Mapping[str, ModelRoutes]) -> RoutesFn:

@@ -48,6 +48,11 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
         raise FieldProblem(attribute.name, f"must be a number of seconds more than 0, got {value:g}")
 
 
+def _not_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0 or math.isinf(value):  # also refuses NaN
+        raise FieldProblem(attribute.name, f"must be a number of seconds, 0 or more, got {value:g}")
+
+
 def _at_least(low: int) -> Callable[[object, attrs.Attribute[int], int], None]:
     def check(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         if value < low:
@@ -166,6 +171,9 @@ class RouterConfig:
     max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least(1))
     max_body_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=_at_least(1))
     relay_coalesce_us: int = attrs.field(default=DEFAULT_COALESCE_US, validator=_coalesce)
+    #: On SIGTERM or SIGINT, how long responses in progress may take to end before they are cut
+    #: (``Router.shutdown``); long enough for a long generation, short of systemd's stop timeout.
+    shutdown_grace: float = attrs.field(default=30.0, validator=_not_negative)
     #: Log lines: text for people, json for one object per line (``telemetry.logs``).
     log_format: str = attrs.field(
         default="text", converter=_lower, validator=_one_of(LOG_FORMATS, "log format")
@@ -233,6 +241,8 @@ FIELD_HELP: dict[str, str] = {
     "max_body_bytes": "the largest request body accepted",
     "relay_coalesce_us": f"the relay pump's pause after each wake-up, 0 to {MAX_COALESCE_US} "
     "microseconds (0: none): streamed tokens arriving together share a wake-up",
+    "shutdown_grace": "on SIGTERM or SIGINT: stop accepting, then wait this many seconds for "
+    "responses in progress to end before cutting them",
     "log_format": f"log line format: text for people, json for one object per line (also {LOG_FORMAT_ENV}, "
     "shared by every llmgw process, below this one)",
     "log_level": f"lowest level logged: {', '.join(LOG_LEVELS)} (also {LOG_LEVEL_ENV}, shared by every "

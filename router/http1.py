@@ -258,6 +258,10 @@ class ClientConn:
         #: The phase (``HEAD``, ``IDLE``, ``BODY``) whose time limit closed the connection, or "".
         self.timed_out = ""
         self.eof = False
+        #: The router is stopping: the connection ends where it would wait for a next request.
+        self.closing = False
+        #: Waiting for a next request of which nothing has arrived: what a stopping router closes.
+        self.idle = False
         self._continued = False
         self._hangup = select.epoll(1)
         self._hangup.register(self.fd, select.EPOLLRDHUP)
@@ -303,6 +307,8 @@ class ClientConn:
                     waited = True
                     now = trio.current_time()
                     phase = reader.phase
+                    if phase == IDLE and self.closing:
+                        return None
                     if phase == BODY:
                         scope.deadline = now + self.idle_timeout  # a body's silence
                     elif phase == HEAD or self._head_deadline is not None:  # or a new connection
@@ -313,12 +319,15 @@ class ClientConn:
                         if idle_until == math.inf:
                             idle_until = now + self.idle_timeout
                         scope.deadline = idle_until
+                    self.idle = phase == IDLE
                     try:
                         await trio.lowlevel.wait_readable(self.fd)
                     except trio.Cancelled:
                         if not self.eof and trio.current_time() >= scope.deadline:
                             self.timed_out = phase
                         raise
+                    finally:
+                        self.idle = False
                     continue
                 except OSError:  # reset by the client
                     data = b""

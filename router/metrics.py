@@ -200,8 +200,8 @@ class Metrics:
     def observe_ttfb(self, model: str, seconds: float) -> None:
         self.ttfb.observe(model, seconds)
 
-    def body_ended(self, model: str, facts: StreamFacts, since: float | None, *, usage: bool) -> None:
-        """A response body ended (whole or not): its events' facts and, with ``usage``, the token
+    def body_ended(self, model: str, facts: StreamFacts, since: float | None, *, count_usage: bool) -> None:
+        """A response body ended (whole or not): its events' facts and, with ``count_usage``, the token
         usage in its tail, once per response. ``since``: the request's arrival as
         ``time.monotonic`` seconds, for a streamed response's time to first token and gaps (None:
         not a stream)."""
@@ -209,7 +209,7 @@ class Metrics:
             self.ttft.observe(model, max(0.0, facts.first_at - since))
             if facts.events > 1:
                 self.itl.add(model, facts.gaps, facts.gap_sum)
-        if usage and facts.tail:
+        if count_usage and facts.tail:
             usage = usage_of(facts.tail)
             if usage is not None:
                 self.prompt_tokens[model] = self.prompt_tokens.get(model, 0) + usage[0]

@@ -329,6 +329,12 @@ class Router:
         self.metrics = Metrics(version())
         self.pump = make_pump(coalesce_us=relay_coalesce_us)
         self.created = int(time.time())
+        #: Open client connections, for ``shutdown`` to close the idle ones.
+        self._clients: set[ClientConn] = set()
+        #: ``shutdown`` was called: no new connections, none kept open for a next request.
+        self.stopping = False
+        self._accepting = trio.CancelScope()
+        self._no_clients = trio.Event()
 
     @classmethod
     def from_config(
@@ -385,10 +391,44 @@ class Router:
                 nursery.start_soon(self._housekeeping)
                 nursery.start_soon(self._watch_stalls)
                 await nursery.start(self.pump.run)
-                await nursery.start(trio.serve_listeners, self._handle_connection, listeners)
-                task_status.started(bound)
+                # The connections' handlers live in a nursery of their own, apart from the
+                # accepting task, so that ``shutdown`` can close the listeners and leave them be.
+                async with trio.open_nursery() as handlers:
+                    await handlers.start(self._accept, listeners, handlers)
+                    task_status.started(bound)
         finally:
             self.pool.close_all()
+
+    async def _accept(
+        self,
+        listeners: list[trio.SocketListener],
+        handlers: trio.Nursery,
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept connections until ``shutdown`` cancels this, which closes the listeners (a
+        load balancer's next connection is refused and goes to another router)."""
+        with self._accepting:
+            await trio.serve_listeners(
+                self._handle_connection, listeners, handler_nursery=handlers, task_status=task_status
+            )
+
+    async def shutdown(self, grace: float) -> int:
+        """Stop as a service: close the listeners, close client connections that wait for a next
+        request (and every other one once its response has ended), and wait up to ``grace``
+        seconds for the responses in progress to end. Returns how many client connections were
+        still open then: cancelling ``serve`` cuts them (their streams end without their last
+        bytes), as it cuts everything."""
+        self.stopping = True
+        self._accepting.cancel()
+        for client in self._clients:
+            client.closing = True
+            if client.idle:
+                client.scope.cancel()
+        with trio.move_on_after(grace):
+            if self.connections:
+                await self._no_clients.wait()
+        return self.connections
 
     async def _housekeeping(self) -> None:
         """Close pooled connections before the engines' idle timeouts do (a request sent on one
@@ -462,12 +502,17 @@ class Router:
                 except OSError as exc:  # no descriptor left for its hang-up watch
                     log.warning("router: refusing a client connection: %s", exc)
                     return
+                client.closing = self.stopping
+                self._clients.add(client)
                 nursery.start_soon(client.watch)
                 await self._serve_client(client)
                 nursery.cancel_scope.cancel()
         finally:
             self.connections -= 1
+            if self.stopping and not self.connections:
+                self._no_clients.set()
             if client is not None:
+                self._clients.discard(client)
                 client.close()
                 if client.timed_out:
                     self.metrics.client_closed(client.timed_out)
@@ -518,7 +563,7 @@ class Router:
                     return
                 ex = _Exchange(client, request, self.clock())
                 await self._respond(ex)
-                if not (ex.complete and request.keep_alive) or client.eof:
+                if not (ex.complete and request.keep_alive) or client.eof or self.stopping:
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone, _UpstreamBroken):
             return
@@ -729,7 +774,7 @@ class Router:
         finally:
             if ex.facts is not None:  # once per response, however it ended
                 since = monotonic_of(self.clock(), ex.started) if ex.stream else None
-                self.metrics.body_ended(model, ex.facts, since, usage=ex.want_usage)
+                self.metrics.body_ended(model, ex.facts, since, count_usage=ex.want_usage)
         self.metrics.request(model, ex.status)
 
     def _client_left(self, ex: _Exchange) -> None:
