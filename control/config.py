@@ -95,14 +95,6 @@ import schema
 import settings
 from control.placement import engine_constraint
 from router.config import RouterConfig
-from router.limits import (
-    DEFAULT_CLIENT_IDLE_TIMEOUT,
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_MAX_CONNECTIONS,
-    ClientLimits,
-)
-from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
-from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
 from settings import ConfigError, FieldProblem, KeyPath, dotted, line_of
 
 __all__ = [
@@ -125,13 +117,6 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
 def _at_least_one(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise FieldProblem(attribute.name, f"{attribute.name} must be at least 1, got {value}")
-
-
-def _coalesce(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not 0 <= value <= MAX_COALESCE_US:
-        raise FieldProblem(
-            attribute.name, f"{attribute.name} must be 0 to {MAX_COALESCE_US} (microseconds), got {value}"
-        )
 
 
 def engine_problem(name: str) -> str:
@@ -553,6 +538,17 @@ class Engines:
         return _parse_range(self.ports, "engines.ports")
 
 
+#: llmgw.toml's keys of the embedded router and the ``RouterConfig`` field each one sets.
+ROUTER_KEYS: dict[str, str] = {
+    "router_coalesce_us": "relay_coalesce_us",
+    "router_response_timeout": "response_timeout",
+    "router_stream_idle_timeout": "stream_idle_timeout",
+    "router_header_timeout": "header_timeout",
+    "router_client_idle_timeout": "client_idle_timeout",
+    "router_max_connections": "max_connections",
+}
+
+
 @attrs.frozen
 class ControlConfig:
     state_dir: Path = Path("/var/lib/llmgw-control")
@@ -568,20 +564,15 @@ class ControlConfig:
     endpoints: tuple[EndpointConfig, ...] = ()
     #: Bearer keys the router accepts; empty: no key needed.
     api_keys: tuple[str, ...] = ()
-    #: The router's relay pump pause after each wake-up, in microseconds (router/relay.py).
-    router_coalesce_us: int = attrs.field(default=DEFAULT_COALESCE_US, validator=_coalesce)
-    #: The router's wait for an engine's first response byte, and the longest silence of an engine
-    #: once its response began, in seconds; past either the request ends (504, or an error event
-    #: mid-stream) and the replica is ejected. Why these defaults: router/server.py.
-    router_response_timeout: float = attrs.field(default=DEFAULT_RESPONSE_TIMEOUT, validator=_positive)
-    router_stream_idle_timeout: float = attrs.field(default=DEFAULT_STREAM_IDLE_TIMEOUT, validator=_positive)
-    #: The router's client connections: the head of a request must arrive within
-    #: ``router_header_timeout`` of its first byte (of the connection, for its first request), an
-    #: idle keep-alive connection is closed after ``router_client_idle_timeout``, and connections
-    #: over ``router_max_connections`` get a 503 and are closed. Why these defaults: ClientLimits.
-    router_header_timeout: float = attrs.field(default=DEFAULT_HEADER_TIMEOUT, validator=_positive)
-    router_client_idle_timeout: float = attrs.field(default=DEFAULT_CLIENT_IDLE_TIMEOUT, validator=_positive)
-    router_max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_at_least_one)
+    #: The embedded router's settings, each the ``router.config.RouterConfig`` field that
+    #: ``ROUTER_KEYS`` names; None (not in the file): the router's own default, with its own rule
+    #: (checked here, so that a bad value names its key and line).
+    router_coalesce_us: int | None = None
+    router_response_timeout: float | None = None
+    router_stream_idle_timeout: float | None = None
+    router_header_timeout: float | None = None
+    router_client_idle_timeout: float | None = None
+    router_max_connections: int | None = None
     #: The key the router's /metrics wants (Authorization: Bearer KEY); "": loopback clients only.
     metrics_key: str = attrs.field(default="", validator=_optional_secret)
     #: The admin API's tokens, Host names and TLS.
@@ -598,6 +589,11 @@ class ControlConfig:
 
     def __attrs_post_init__(self) -> None:
         _unique_names(self.models, "each model needs its own")
+        try:
+            self.router_config  # noqa: B018 -- made here for its checks
+        except FieldProblem as exc:
+            key = next((k for k, field in ROUTER_KEYS.items() if field == exc.key), exc.key)
+            raise FieldProblem(key, f"{key} {exc}") from None
         if not self.runs_control_plane and not self.listen.router:
             raise FieldProblem(
                 ("listen", "router"),
@@ -606,27 +602,15 @@ class ControlConfig:
             )
 
     @property
-    def router_client_limits(self) -> ClientLimits:
-        """The router's limits on its client connections, as ``Router(client_limits=...)`` takes them."""
-        return ClientLimits(
-            header_timeout=self.router_header_timeout,
-            idle_timeout=self.router_client_idle_timeout,
-            max_connections=self.router_max_connections,
-        )
-
-    @property
     def router_config(self) -> RouterConfig:
         """The embedded router's settings, from this file's router keys (the listen address and
-        the routes are the plane's own), as ``Router.from_config`` takes them."""
+        the routes are the plane's own), as ``Router`` takes them; keys not in the file keep the
+        router's defaults."""
+        given = {field: getattr(self, key) for key, field in ROUTER_KEYS.items()}
         return RouterConfig(
             api_keys=tuple(self.api_keys),
             metrics_key=self.metrics_key,
-            relay_coalesce_us=self.router_coalesce_us,
-            response_timeout=self.router_response_timeout,
-            stream_idle_timeout=self.router_stream_idle_timeout,
-            header_timeout=self.router_header_timeout,
-            client_idle_timeout=self.router_client_idle_timeout,
-            max_connections=self.router_max_connections,
+            **{field: value for field, value in given.items() if value is not None},
         )
 
     @property

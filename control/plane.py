@@ -798,7 +798,7 @@ class ControlPlane:
         from router.server import Router
 
         self.build_routes()
-        router = Router.from_config(self.routes, self.config.router_config)
+        router = Router(self.routes, self.config.router_config)
         if not self.config.runs_control_plane:
             # A catalog of static endpoints only: a router-only run, no agents, no reconciler.
             host, port = Listen.split(self.config.listen.router)

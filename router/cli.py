@@ -54,7 +54,7 @@ async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.
                 return "" if watched.tables else f"no route table from the control plane at {where} yet"
         else:
             routes = static_routes(config.static_routes())
-        router = Router.from_config(routes, config, pending=pending)
+        router = Router(routes, config, pending=pending)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             port = await nursery.start(
                 lambda task_status: router.serve(
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load(argv).config
         # Made once here so that what the router refuses (the relay pump asked for by
         # LLMGW_RELAY) is a start-up line too, not a traceback inside the event loop.
-        Router.from_config(static_table({}), config)
+        Router(static_table({}), config)
     except ConfigError as exc:
         print(f"llmgw-router: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 It runs as its own service (``python -m router``, ``router.cli``: routes watched from the control
 plane with ``--control URL``, or a static endpoint list with ``--static MODEL=URL``; several of
 them, on one port with ``--reuse-port``) or embedded in the control plane's process
-(``Router.from_config(plane.routes, config)``). Either way it talks only to engine URLs, so
+(``Router(plane.routes, config)``). Either way it talks only to engine URLs, so
 engines keep serving while the agent or the control plane restarts. Its settings are one
 ``router.config.RouterConfig``; its parts are in their own modules: ``router.balancer`` (choosing
 a replica), ``router.upstream`` and ``router.pool`` (engine connections), ``router.limits``
@@ -114,11 +114,10 @@ from router.http1 import (
     response_head,
     status_block,
 )
-from router.limits import ClientLimits, connection_cap
+from router.limits import connection_cap
 from router.metrics import UNKNOWN_MODEL, Metrics, ended_with_done, monotonic_of
 from router.pool import Pool
 from router.relay import (
-    DEFAULT_COALESCE_US,
     RECEIVE_SIZE,
     ClientGone,
     EngineClosed,
@@ -131,8 +130,6 @@ from router.relay import (
 )
 from router.routes import ModelRoutes, RoutesFn, Target, Upstream
 from router.stalls import (
-    DEFAULT_RESPONSE_TIMEOUT,
-    DEFAULT_STREAM_IDLE_TIMEOUT,
     Watch,
     stall,
     tcp_progress,
@@ -249,85 +246,53 @@ class _Exchange:
 
 
 class Router:
-    """The OpenAI-compatible proxy. ``routes()`` is called once per request, so it must be cheap: the
-    control plane hands a function that returns a mapping it rebuilds when replicas change.
-
-    Tunables: ``affinity_chars`` (prompt prefix length for affinity), ``affinity_slack`` (how many
-    more outstanding requests than the least loaded upstream the preferred one may have),
-    ``max_attempts`` (replicas tried per request), ``eject_after``/``eject_base``/``eject_max``
-    (ejection), ``connect_timeout``, ``response_timeout`` (from sending the request until the
-    engine's first response byte) and ``stream_idle_timeout`` (the longest silence once the
-    response began; see ``DEFAULT_RESPONSE_TIMEOUT`` and ``_timed_out``), ``pool_max_idle`` and
-    ``pool_idle_timeout`` (below the engines' keep-alive timeout: uvicorn's is 5 s),
-    ``client_limits`` (the header timeout, the idle timeout and the connection cap: ``ClientLimits``;
-    ``client_idle_timeout`` overrides its idle timeout), ``metrics_key`` (``GET /metrics`` wants
-    ``Authorization: Bearer`` it; without one, /metrics answers loopback clients only), ``max_body_bytes``,
-    ``relay_coalesce_us`` (the upper bound of the native relay pump's pause after each wake-up,
-    so that the tokens one decode step writes to many streams share a wake-up: a token may wait
-    that long; the pause adapts below it, none at one stream and never before a response's first
-    event; 0 turns it off; see ``router/_pump.c``)."""
+    """The OpenAI-compatible proxy with the settings of ``config`` (``RouterConfig``: every
+    tunable, its default and why, in one place). ``routes()`` is called once per request, so it
+    must be cheap: a static table, the route watch, or the control plane's own table, which it
+    rebuilds when replicas change. ``pending`` says why there is no table yet, if one may still
+    come: a router whose routes are watched answers a model it does not know yet with a 503 to
+    retry, not a 404. ``clock`` is trio's, or a test's."""
 
     def __init__(
         self,
         routes: RoutesFn,
+        config: RouterConfig,
         *,
-        api_keys: frozenset[str] = frozenset(),
-        affinity_chars: int = 256,
-        affinity_slack: int = 4,
-        max_attempts: int = 3,
-        eject_after: int = 3,
-        eject_base: float = 10.0,
-        eject_max: float = 300.0,
-        connect_timeout: float = 5.0,
-        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
-        stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT,
-        pool_max_idle: int = 1024,
-        pool_idle_timeout: float = 4.0,
-        client_limits: ClientLimits | None = None,
-        client_idle_timeout: float | None = None,
-        metrics_key: str = "",
-        max_body_bytes: int = 32 * 1024 * 1024,
-        relay_coalesce_us: int = DEFAULT_COALESCE_US,
         clock: Callable[[], float] = trio.current_time,
         pending: Callable[[], str] | None = None,
     ) -> None:
         self.routes = routes
-        #: Why there is no route table yet ("" once there is one): a router whose routes are
-        #: watched answers a model it does not know yet with a 503 to retry, not a 404.
+        self.config = config
         self.pending = pending
-        self.api_keys = tuple(k.encode() for k in api_keys)
-        self.affinity_chars = affinity_chars
-        self.max_attempts = max(1, max_attempts)
-        for name, value in (
-            ("response_timeout", response_timeout),
-            ("stream_idle_timeout", stream_idle_timeout),
-        ):
-            if not value > 0:  # also refuses NaN
-                raise ValueError(f"the router's {name} must be more than 0 seconds, got {value}")
-        self.response_timeout = response_timeout
-        self.stream_idle_timeout = stream_idle_timeout
+        self.api_keys = tuple(k.encode() for k in config.api_keys)
+        self.affinity_chars = config.affinity_chars
+        self.max_attempts = config.max_attempts
+        self.response_timeout = config.response_timeout
+        self.stream_idle_timeout = config.stream_idle_timeout
         # The stall watch's period: a tenth of the shorter timeout, so a timeout fires within
         # 10% of its length, and at most a second (a tick costs a getsockopt per request in flight).
-        self.stall_tick = min(1.0, max(0.01, min(response_timeout, stream_idle_timeout) / 10))
+        self.stall_tick = min(1.0, max(0.01, min(self.response_timeout, self.stream_idle_timeout) / 10))
         self._watches: set[Watch] = set()
-        limits = client_limits or ClientLimits()
-        if client_idle_timeout is not None:
-            limits = attrs.evolve(limits, idle_timeout=client_idle_timeout)
-        self.client_limits = limits
+        self.client_limits = config.client_limits
         #: Client connections open now (``_handle_connection``), against ``client_limits.max_connections``.
         self.connections = 0
-        self.max_connections = limits.max_connections
-        self.metrics_key = metrics_key.encode()
-        self.max_body_bytes = max_body_bytes
+        self.max_connections = self.client_limits.max_connections
+        self.metrics_key = config.metrics_key.encode()
+        self.max_body_bytes = config.max_body_bytes
         self.clock = clock
         self.balancer = Balancer(
-            affinity_slack=affinity_slack, eject_after=eject_after, eject_base=eject_base, eject_max=eject_max
+            affinity_slack=config.affinity_slack,
+            eject_after=config.eject_after,
+            eject_base=config.eject_base,
+            eject_max=config.eject_max,
         )
         self.pool = Pool(
-            max_idle=pool_max_idle, idle_timeout=pool_idle_timeout, connect_timeout=connect_timeout
+            max_idle=config.pool_max_idle,
+            idle_timeout=config.pool_idle_timeout,
+            connect_timeout=config.connect_timeout,
         )
         self.metrics = Metrics(version())
-        self.pump = make_pump(coalesce_us=relay_coalesce_us)
+        self.pump = make_pump(coalesce_us=config.relay_coalesce_us)
         self.created = int(time.time())
         #: Open client connections, for ``shutdown`` to close the idle ones.
         self._clients: set[ClientConn] = set()
@@ -335,40 +300,6 @@ class Router:
         self.stopping = False
         self._accepting = trio.CancelScope()
         self._no_clients = trio.Event()
-
-    @classmethod
-    def from_config(
-        cls,
-        routes: RoutesFn,
-        config: RouterConfig,
-        *,
-        clock: Callable[[], float] = trio.current_time,
-        pending: Callable[[], str] | None = None,
-    ) -> Router:
-        """A router with every setting of ``config`` (the routes come from ``routes``: a static
-        table, the route watch, or the control plane's own table; ``pending`` says why there is
-        no table yet, if one may still come)."""
-        return cls(
-            routes,
-            api_keys=frozenset(config.api_keys),
-            affinity_chars=config.affinity_chars,
-            affinity_slack=config.affinity_slack,
-            max_attempts=config.max_attempts,
-            eject_after=config.eject_after,
-            eject_base=config.eject_base,
-            eject_max=config.eject_max,
-            connect_timeout=config.connect_timeout,
-            response_timeout=config.response_timeout,
-            stream_idle_timeout=config.stream_idle_timeout,
-            pool_max_idle=config.pool_max_idle,
-            pool_idle_timeout=config.pool_idle_timeout,
-            client_limits=config.client_limits,
-            metrics_key=config.metrics_key,
-            max_body_bytes=config.max_body_bytes,
-            relay_coalesce_us=config.relay_coalesce_us,
-            clock=clock,
-            pending=pending,
-        )
 
     # -- the service -----------------------------------------------------------------------------
 

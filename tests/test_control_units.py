@@ -190,11 +190,12 @@ def test_config_defaults_and_router_only() -> None:
 def test_router_coalescing_is_checked_and_reaches_the_pump() -> None:
     from router.server import Router
 
-    assert parse("").router_coalesce_us == 500
-    with pytest.raises(ConfigError, match=r"router_coalesce_us must be 0 to 100000 .*got -1"):
+    assert parse("").router_config.relay_coalesce_us == 500
+    with pytest.raises(
+        ConfigError, match=r"router_coalesce_us must be 0 to 100000 microseconds, got -1 \(<config> line 1\)"
+    ):
         parse("router_coalesce_us = -1\n")
-    cfg = parse("router_coalesce_us = 123\n")
-    router = Router(dict, relay_coalesce_us=cfg.router_coalesce_us)
+    router = Router(dict, parse("router_coalesce_us = 123\n").router_config)
     assert router.pump.kind == "python" or getattr(router.pump, "coalesce_us", None) == 123
 
 

@@ -37,6 +37,7 @@ from agent.supervise import procfs
 from agent.supervise.supervisor import engine_environment, redact_argv, remove_files, write_files
 from control.config import parse
 from control.plane import SHARD_KEY_SECRET, ControlPlane, load_shard_key_secret, shard_key
+from router.config import RouterConfig
 from router.routes import ModelRoutes, Upstream
 from router.server import Router
 from tests.fleet_procs import Agent, ControlProcess, free_port, poll
@@ -186,7 +187,7 @@ async def recording_engine(nursery: trio.Nursery) -> tuple[str, list[bytes]]:
 async def test_the_router_sends_the_shards_key_in_place_of_the_clients(nursery: trio.Nursery) -> None:
     url, heads = await recording_engine(nursery)
     keyed = {"m": ModelRoutes((Upstream("m-r0", url, api_key="shard-key-0123"),))}
-    router = Router(lambda: keyed, api_keys=frozenset({CLIENT_KEY}))
+    router = Router(lambda: keyed, RouterConfig(api_keys=(CLIENT_KEY,)))
     port = await nursery.start(router.serve, "127.0.0.1", 0)
     doc = {"model": "m", "prompt": "hi", "max_tokens": 1}
 
@@ -204,7 +205,7 @@ async def test_the_router_sends_the_shards_key_in_place_of_the_clients(nursery: 
     assert CLIENT_KEY.lower().encode() not in head and head.count(b"authorization:") == 1
     # An open router (no api_keys) in front of a keyed engine: still the shard's key, never the
     # client's, whatever the client sends.
-    open_router = Router(lambda: keyed)
+    open_router = Router(lambda: keyed, RouterConfig())
     open_port = await nursery.start(open_router.serve, "127.0.0.1", 0)
     answer = await trio.to_thread.run_sync(
         lambda: httpx.post(

@@ -780,9 +780,10 @@ async def test_a_responses_first_event_cuts_a_pause_short(nursery: trio.Nursery)
 
 
 async def test_the_relay_counters_reach_metrics(nursery: trio.Nursery, relay_kind: str) -> None:
+    from router.config import RouterConfig
     from router.server import Router
 
-    router = Router(dict)
+    router = Router(dict, RouterConfig())
     await nursery.start(router.pump.run)
     data, _ = await router.metrics.scrape(router.balancer, router.pool, router.pump, 0.0)
     text = data.decode()
@@ -804,6 +805,7 @@ async def test_a_malformed_engine_body_ends_the_clients_stream_with_an_error(
     client's stream broken (closed with no last chunk) after its first event, or gets the client
     a 502 when it came with the head; never the rest of the bytes, however much like a next
     response they look, and never a hang."""
+    from router.config import RouterConfig
     from router.routes import ModelRoutes, Upstream
     from router.server import Router
 
@@ -825,7 +827,7 @@ async def test_a_malformed_engine_body_ends_the_clients_stream_with_an_error(
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, engine, 0, host="127.0.0.1"))
     url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
-    router = Router(lambda: {"m": ModelRoutes((Upstream("r0", url),))})
+    router = Router(lambda: {"m": ModelRoutes((Upstream("r0", url),))}, RouterConfig())
     port = await nursery.start(router.serve, "127.0.0.1", 0)
     body = b'{"model": "m", "prompt": "x", "stream": true}'
     request = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"

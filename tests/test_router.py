@@ -28,6 +28,7 @@ import pytest
 import trio
 
 from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_score
+from router.config import RouterConfig
 from router.framing import ChunkedScanner, parse_response_head
 from router.routes import ModelRoutes, Upstream, static_routes
 from router.server import Router
@@ -180,7 +181,7 @@ CHAT: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "co
 async def test_openai_client_plain_and_streamed(
     nursery: trio.Nursery, engines: tuple[Engine, Engine]
 ) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig()))
     direct = openai.OpenAI(base_url=f"{engines[0].url}/v1", api_key="x", max_retries=0)
 
     def sync_calls() -> None:
@@ -232,7 +233,9 @@ async def test_stream_is_relayed_byte_for_byte(
     nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
 ) -> None:
     """The SSE body through the router equals the engine's, apart from the per-request id and time."""
-    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", engines[0].url),))})))
+    base = await serve(
+        nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", engines[0].url),))}), RouterConfig())
+    )
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "bytes"}],
@@ -256,7 +259,9 @@ async def test_client_disconnect_cancels_the_engine_request(
     nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
 ) -> None:
     a = engines[0]
-    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", a.url),))})))
+    base = await serve(
+        nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", a.url),))}), RouterConfig())
+    )
     before = await trio.to_thread.run_sync(a.metric, "llmgw_sim_requests_cancelled_total")
 
     def start_and_leave() -> None:
@@ -290,7 +295,9 @@ async def test_client_hanging_up_before_the_first_byte_cancels_the_engine_reques
     """A client that leaves while the engine has not answered yet (a non-streamed request: 500
     tokens at 20 ms, 10 s before any byte) cancels the engine's request at once."""
     a = engines[0]
-    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", a.url),))})))
+    base = await serve(
+        nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", a.url),))}), RouterConfig())
+    )
     before = await trio.to_thread.run_sync(a.metric, "llmgw_sim_requests_cancelled_total")
     sock = await raw_connect(base)
     await sock.send(post(b"/v1/completions", {"model": MODEL, "prompt": "leave", "max_tokens": 500}))
@@ -322,7 +329,7 @@ async def test_slow_client_pauses_its_stream_and_loses_nothing(
     /metrics, and once the client reads, every byte arrives as the engine sent it."""
     fast = await trio.to_thread.run_sync(start_engine, tmp_path, "fast", {"LLMGW_SIM_ITL_MS": "0"})
     try:
-        router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", fast.url),))}))
+        router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", fast.url),))}), RouterConfig())
         base = await serve(nursery, router)
         assert router.pump.kind == relay_kind
         body = json.dumps(
@@ -371,7 +378,7 @@ async def test_engine_dying_mid_stream_ends_the_client_response(
     """The engine's connection breaks after the first events: the client's response ends at once as
     incomplete (not hanging, not looking complete), and the failure is counted."""
     doomed = await trio.to_thread.run_sync(start_engine, tmp_path, "doomed")
-    router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", doomed.url),))}))
+    router = Router(routes_of({MODEL: ModelRoutes((Upstream("r0", doomed.url),))}), RouterConfig())
     base = await serve(nursery, router)
     assert router.pump.kind == relay_kind
     body = {
@@ -482,7 +489,7 @@ STREAM = {
 async def test_pipelined_requests_are_answered_in_order_on_one_connection(
     nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
 ) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig()))
     sock = await raw_connect(base)
     await sock.send(
         b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n"
@@ -507,7 +514,7 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(
 async def test_an_http10_client_gets_the_stream_unchunked_then_a_close(
     nursery: trio.Nursery, engines: tuple[Engine, Engine], relay_kind: str
 ) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig()))
     sock = await raw_connect(base)
     await sock.send(post(b"/v1/chat/completions", STREAM, version=b"1.0"))
     raw = await recv_until_closed(sock)
@@ -521,7 +528,7 @@ async def test_an_http10_client_gets_the_stream_unchunked_then_a_close(
 async def test_expect_100_continue_and_a_chunked_request_body(
     nursery: trio.Nursery, engines: tuple[Engine, Engine]
 ) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig()))
     sock = await raw_connect(base)
     body = json.dumps({"model": MODEL, "prompt": "continue", "max_tokens": 2}).encode()
     await sock.send(
@@ -550,7 +557,9 @@ async def test_expect_100_continue_and_a_chunked_request_body(
 async def test_connection_close_is_honoured_and_idle_clients_are_closed(
     nursery: trio.Nursery, engines: tuple[Engine, Engine]
 ) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), client_idle_timeout=0.3))
+    base = await serve(
+        nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig(client_idle_timeout=0.3))
+    )
     sock = await raw_connect(base)
     await sock.send(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     raw = await recv_until_closed(sock)
@@ -587,7 +596,7 @@ async def test_connection_close_is_honoured_and_idle_clients_are_closed(
 async def test_a_request_that_cannot_be_read_gets_an_error_and_a_close(
     nursery: trio.Nursery, engines: tuple[Engine, Engine], request_bytes: bytes, status: int, words: str
 ) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), max_body_bytes=1000))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig(max_body_bytes=1000)))
     sock = await raw_connect(base)
     await sock.send(request_bytes)
     raw = await recv_until_closed(sock)
@@ -618,7 +627,7 @@ async def test_refused_replica_is_skipped_before_the_first_byte(
 ) -> None:
     dead = closed_port_url()
     table = {MODEL: ModelRoutes((Upstream("dead-r0", dead), Upstream("live-r1", engines[0].url)))}
-    base = await serve(nursery, Router(routes_of(table)))
+    base = await serve(nursery, Router(routes_of(table), RouterConfig()))
     text = prompt_ranked_first(dead, engines[0].url)
 
     def ask() -> str | None:
@@ -641,7 +650,7 @@ async def test_refused_replica_is_skipped_before_the_first_byte(
 async def test_all_replicas_failing_is_a_502_naming_each(nursery: trio.Nursery) -> None:
     dead = [closed_port_url(), closed_port_url()]
     table = {MODEL: ModelRoutes((Upstream("x-r0", dead[0]), Upstream("x-r1", dead[1])))}
-    base = await serve(nursery, Router(routes_of(table)))
+    base = await serve(nursery, Router(routes_of(table), RouterConfig()))
 
     def ask() -> httpx.Response:
         return httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
@@ -659,7 +668,7 @@ async def test_loading_engine_503_moves_to_another_replica(
     loading = start_engine(tmp_path, "loading", {"LLMGW_SIM_LOAD_SECONDS": "600"}, ready=False)
     try:
         table = {MODEL: ModelRoutes((Upstream("loading-r0", loading.url), Upstream("ok-r1", engines[1].url)))}
-        base = await serve(nursery, Router(routes_of(table)))
+        base = await serve(nursery, Router(routes_of(table), RouterConfig()))
         text = prompt_ranked_first(loading.url, engines[1].url)
 
         def ask() -> httpx.Response:
@@ -684,7 +693,7 @@ async def test_an_engine_restarted_on_its_port_costs_no_request(
     first = start_engine(tmp_path, "first")
     port = first.port
     table = {MODEL: ModelRoutes((Upstream("r0", first.url),))}
-    base = await serve(nursery, Router(routes_of(table), pool_idle_timeout=60))
+    base = await serve(nursery, Router(routes_of(table), RouterConfig(pool_idle_timeout=60)))
 
     def ask() -> int:
         doc = {"model": MODEL, "prompt": "again", "max_tokens": 1}
@@ -751,7 +760,9 @@ async def test_a_pooled_connection_the_engine_drops_unanswered_is_redone_unseen(
     upstream error is counted. With the native pump the failure is seen by its thread, before
     the head (relay.EngineFailedEarly)."""
     url, answered = await hanging_up_engine(nursery, reset=reset)
-    base = await serve(nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", url),))})))
+    base = await serve(
+        nursery, Router(routes_of({MODEL: ModelRoutes((Upstream("r0", url),))}), RouterConfig())
+    )
 
     def ask() -> httpx.Response:
         doc = {"model": MODEL, "prompt": "again", "max_tokens": 1, "stream": True}
@@ -771,7 +782,7 @@ async def test_least_outstanding_spreads_concurrent_requests(
 ) -> None:
     # Slack 0: affinity yields as soon as its replica is busier than the other, so eight concurrent
     # streams with the same prompt must split four and four.
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), affinity_slack=0))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig(affinity_slack=0)))
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 150, "stream": True}
     first_chunks = 0
     release = trio.Event()
@@ -804,7 +815,7 @@ async def test_least_outstanding_spreads_concurrent_requests(
 async def test_prefix_affinity_keeps_a_prefix_on_one_replica(
     nursery: trio.Nursery, engines: tuple[Engine, Engine]
 ) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig()))
     system = "You are a careful assistant. " * 12  # over 256 characters: the whole affinity key
 
     def replicas(prompts: list[tuple[str, str]]) -> list[str]:
@@ -840,7 +851,7 @@ async def test_unknown_model_404_and_no_ready_replica_503(
 ) -> None:
     reason = "0/3 nodes fit: 3 have too few free GPUs (need 8)"
     table = {MODEL: two(engines), "big-model": ModelRoutes((), reason=reason)}
-    base = await serve(nursery, Router(routes_of(table)))
+    base = await serve(nursery, Router(routes_of(table), RouterConfig()))
 
     def calls() -> None:
         c = client(base)
@@ -866,7 +877,7 @@ async def test_unknown_model_404_and_no_ready_replica_503(
 
 async def test_api_keys(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -> None:
     base = await serve(
-        nursery, Router(routes_of({MODEL: two(engines)}), api_keys=frozenset({"k-one", "k-two"}))
+        nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig(api_keys=("k-one", "k-two")))
     )
 
     def calls() -> None:
@@ -882,7 +893,7 @@ async def test_api_keys(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -
 
 
 async def test_metrics_show_the_counters(nursery: trio.Nursery, engines: tuple[Engine, Engine]) -> None:
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig()))
 
     elapsed = 0.0
 
@@ -1054,7 +1065,7 @@ async def test_a_body_nested_past_the_limit_is_a_400_naming_it_not_a_recursion_e
 ) -> None:
     from router.http1 import MAX_JSON_DEPTH
 
-    base = await serve(nursery, Router(routes_of({MODEL: two(engines)})))
+    base = await serve(nursery, Router(routes_of({MODEL: two(engines)}), RouterConfig()))
     url = f"{base}/v1/chat/completions"
     deep = b"[" * 100_000  # Python's parser alone: 500 internal error: RecursionError
     wrapped = (

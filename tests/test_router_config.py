@@ -181,7 +181,7 @@ def test_the_router_takes_every_setting_from_the_config() -> None:
         relay_coalesce_us=0,
         metrics_key="mk" * 8,
     )
-    r = Router.from_config(lambda: {}, c)
+    r = Router(lambda: {}, c)
     assert r.api_keys == (b"k",) and r.metrics_key == b"mk" * 8
     assert (r.affinity_chars, r.balancer.affinity_slack, r.max_attempts) == (64, 1, 2)
     assert (r.balancer.eject_after, r.balancer.eject_base, r.balancer.eject_max) == (5, 1.0, 2.0)

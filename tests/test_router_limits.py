@@ -269,7 +269,7 @@ def test_the_client_limits_are_in_the_config_with_their_defaults_and_checked_at_
     from router.limits import DEFAULT_CLIENT_IDLE_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
     endpoints = '[[endpoints]]\nmodel = "m"\nurl = "http://127.0.0.1:9"\n'
-    limits = parse(endpoints).router_client_limits
+    limits = parse(endpoints).router_config.client_limits
     assert (limits.header_timeout, limits.idle_timeout, limits.max_connections) == (
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_CLIENT_IDLE_TIMEOUT,
@@ -279,11 +279,11 @@ def test_the_client_limits_are_in_the_config_with_their_defaults_and_checked_at_
         "router_header_timeout = 2.5\nrouter_client_idle_timeout = 30\nrouter_max_connections = 64\n"
         f'metrics_key = "{"k" * 16}"\n' + endpoints
     )
-    assert custom.router_client_limits.max_connections == 64 and custom.metrics_key == "k" * 16
+    assert custom.router_config.client_limits.max_connections == 64 and custom.metrics_key == "k" * 16
     for line, words in (
         (
             "router_header_timeout = 0",
-            "router_header_timeout must be greater than 0, got 0.0 (<config> line 2)",
+            "router_header_timeout must be a number of seconds more than 0, got 0 (<config> line 2)",
         ),
         ("router_max_connections = 0", "router_max_connections must be at least 1, got 0 (<config> line 2)"),
         ('metrics_key = "short"', "metrics_key must be empty or at least 16 characters"),

@@ -31,6 +31,7 @@ import trio
 
 import control.config
 from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_score
+from router.config import FieldProblem, RouterConfig
 from router.routes import ModelRoutes, Upstream
 from router.server import Router
 from router.stalls import DEFAULT_RESPONSE_TIMEOUT, stall, tcp_progress
@@ -138,7 +139,8 @@ async def test_a_silent_engine_is_a_504_within_the_timeout_and_the_next_request_
     silent = await stand_in(nursery, None)
     routes = ModelRoutes((Upstream("sim-model-r0", silent.url), Upstream("sim-model-r1", healthy.url)))
     router = Router(
-        lambda: {MODEL: routes}, response_timeout=RESPONSE_TIMEOUT, stream_idle_timeout=IDLE_TIMEOUT
+        lambda: {MODEL: routes},
+        RouterConfig(response_timeout=RESPONSE_TIMEOUT, stream_idle_timeout=IDLE_TIMEOUT),
     )
     assert router.pump.kind == relay_kind
     base = await serve(nursery, router)
@@ -234,8 +236,7 @@ async def test_an_engine_stalling_mid_stream_ends_the_stream_with_an_error_event
     stalling = await stand_in(nursery, HEAD + b"%x\r\n%s\r\n" % (len(FIRST_EVENT), FIRST_EVENT))
     router = Router(
         lambda: {MODEL: ModelRoutes((Upstream("sim-model-r0", stalling.url),))},
-        response_timeout=5 * RESPONSE_TIMEOUT,
-        stream_idle_timeout=IDLE_TIMEOUT,
+        RouterConfig(response_timeout=5 * RESPONSE_TIMEOUT, stream_idle_timeout=IDLE_TIMEOUT),
     )
     assert router.pump.kind == relay_kind
     base = await serve(nursery, router)
@@ -299,8 +300,7 @@ async def test_a_client_that_does_not_read_is_not_an_engine_stall(
     try:
         router = Router(
             lambda: {MODEL: ModelRoutes((Upstream("r0", fast.url),))},
-            response_timeout=RESPONSE_TIMEOUT,
-            stream_idle_timeout=0.3,
+            RouterConfig(response_timeout=RESPONSE_TIMEOUT, stream_idle_timeout=0.3),
         )
         base = await serve(nursery, router)
         body = json.dumps(
@@ -367,19 +367,21 @@ def test_a_timeout_ejects_at_once() -> None:
 
 
 def test_router_refuses_timeouts_that_are_not_positive() -> None:
-    with pytest.raises(ValueError, match="stream_idle_timeout must be more than 0 seconds, got 0"):
-        Router(lambda: {}, stream_idle_timeout=0)
-    with pytest.raises(ValueError, match="response_timeout must be more than 0 seconds, got -1"):
-        Router(lambda: {}, response_timeout=-1)
+    with pytest.raises(FieldProblem, match="must be a number of seconds more than 0, got 0") as refused:
+        RouterConfig(stream_idle_timeout=0)
+    assert refused.value.key == "stream_idle_timeout"
+    with pytest.raises(FieldProblem, match="must be a number of seconds more than 0, got -1") as refused:
+        RouterConfig(response_timeout=-1)
+    assert refused.value.key == "response_timeout"
 
 
 def test_config_keys_and_their_checks() -> None:
     cfg = control.config.parse("router_response_timeout = 120\nrouter_stream_idle_timeout = 7.5\n")
-    assert (cfg.router_response_timeout, cfg.router_stream_idle_timeout) == (120.0, 7.5)
-    defaults = control.config.ControlConfig()
-    assert (defaults.router_response_timeout, defaults.router_stream_idle_timeout) == (300.0, 60.0)
+    assert (cfg.router_config.response_timeout, cfg.router_config.stream_idle_timeout) == (120.0, 7.5)
+    defaults = control.config.ControlConfig().router_config
+    assert (defaults.response_timeout, defaults.stream_idle_timeout) == (300.0, 60.0)
     with pytest.raises(
-        control.config.ConfigError, match=r"router_stream_idle_timeout.*greater than 0.*line 2"
+        control.config.ConfigError, match=r"router_stream_idle_timeout must be .*more than 0.*line 2"
     ):
         control.config.parse("api_keys = []\nrouter_stream_idle_timeout = 0\n", "llmgw.toml")
     with pytest.raises(control.config.ConfigError, match=r"router_response_timeout"):
