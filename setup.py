@@ -13,6 +13,7 @@ setup(
         Extension(
             "router._pump",
             ["router/_pump.c"],
+            depends=["router/_pump_const.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
             optional=True,
         )

@@ -52,9 +52,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#define RECEIVE_SIZE 65536
+/* The limits and scanner states shared with the Python pump: generated from router/pumpconst.py. */
+#include "_pump_const.h"
+
 #define MAX_EVENTS 256
-#define MAX_LINE 4096
 #define CLIENT_BIT ((uint64_t)1 << 32)
 #define STOP_TOKEN ((uint64_t)1 << 40)
 /* A wake-up that served one event after waiting longer than this many pauses finds the pump idle. */
@@ -63,21 +64,13 @@
  * from 1 + FULL_PAUSE_OTHERS streams on (see serve). */
 #define FULL_PAUSE_OTHERS 8
 
-/* Scanner states: the same numbers as router.ChunkedScanner's. */
-enum { S_SIZE = 0, S_DATA = 1, S_CRLF = 2, S_TRAILER = 3, S_DONE = 4 };
-
 /* Result codes, as relay.py reads them. HEAD: the engine's response head was not one this thread
  * relays itself, and what arrived is handed back to the router. EARLY: the engine failed before its
  * head was complete (nothing reached the client, so the router may try another replica). */
 enum { R_DONE = 0, R_ENGINE = 1, R_CLIENT = 2, R_HEAD = 3, R_EARLY = 4 };
 
-/* The longest engine response head the thread waits for before handing it to the router. */
-#define MAX_HEAD 65536
-
-/* Per-event facts for /metrics (see observe): at most this many gap histogram bounds, and the
- * bytes of a body's end kept for the router to read usage from. */
-#define MAX_BOUNDS 32
-#define TAIL_BYTES 4096
+/* Per-event facts for /metrics (see observe): at most MAX_GAP_BOUNDS gap histogram bounds, and
+ * the body's last TAIL_BYTES bytes for the router to read usage from (_pump_const.h). */
 
 /* What a job learned about its body as it relayed it, handed to the router once, with the job's
  * result (or by withdraw): the router folds it into its per-model histograms then, so no Python
@@ -87,7 +80,7 @@ typedef struct {
     uint64_t events;              /* chunks begun: their size lines read */
     double first_at, last_at;     /* CLOCK_MONOTONIC seconds of the reads with the first and last */
     double gap_sum;               /* the gaps between consecutive events, summed ... */
-    uint32_t gaps[MAX_BOUNDS + 1]; /* ... and counted per bucket (value <= bound; the last: above all) */
+    uint32_t gaps[MAX_GAP_BOUNDS + 1]; /* ... and counted per bucket (value <= bound; the last: above all) */
     int want_tail;
     char *tail; /* want_tail: the body's last TAIL_BYTES bytes (malloc'd on first use) */
     size_t tail_len;
@@ -97,7 +90,7 @@ typedef struct {
     int up_fd, client_fd;
     int state;
     uint64_t remaining;
-    char line[MAX_LINE + 1];
+    char line[MAX_CHUNK_LINE + 1];
     size_t line_len;
     char *pending; /* bytes the client's socket did not take yet */
     size_t pending_len;
@@ -139,7 +132,7 @@ typedef struct {
     int signalled; /* the eventfd was written since collect() last took the results */
     long coalesce_ns; /* after a wake-up, wait at most this long before looking again (see serve) */
     unsigned long long wakeups, pauses, reads; /* for /metrics: reads per wake-up is what coalescing buys */
-    double bounds[MAX_BOUNDS]; /* the gap histogram's bucket bounds, in seconds, ascending */
+    double bounds[MAX_GAP_BOUNDS]; /* the gap histogram's bucket bounds, in seconds, ascending */
     int nbounds;
 } Pump;
 
@@ -150,8 +143,7 @@ typedef struct {
  *   chunk-line   = 1*15HEXDIG *( BWS ";" BWS token [ BWS "=" BWS ( token / quoted-string ) ] ) OWS CRLF
  *   after a chunk's data: exactly CRLF
  *   trailer-line = token ":" *( any byte but CR, LF, NUL ) CRLF, the section ended by an empty line
- * Every line ends in CRLF (a bare LF is malformed) and is at most MAX_LINE bytes before its LF. */
-#define MAX_SIZE_DIGITS 15
+ * Every line ends in CRLF (a bare LF is malformed) and is at most MAX_CHUNK_LINE bytes before its LF. */
 
 static int is_ws(char c) { return c == ' ' || c == '\t'; }
 
@@ -278,8 +270,8 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
         const char *line;
         size_t len;
         if (!nl) {
-            if (j->line_len + (n - i) > MAX_LINE) {
-                snprintf(err, cap, "chunk line over %d bytes", MAX_LINE);
+            if (j->line_len + (n - i) > MAX_CHUNK_LINE) {
+                snprintf(err, cap, "chunk line over %d bytes", MAX_CHUNK_LINE);
                 return -1;
             }
             memcpy(j->line + j->line_len, data + i, n - i);
@@ -287,8 +279,8 @@ static ssize_t scan(job_t *j, const char *data, size_t n, char *err, size_t cap)
             return (ssize_t)n;
         }
         size_t part = (size_t)(nl - (data + i));
-        if (j->line_len + part > MAX_LINE) {
-            snprintf(err, cap, "chunk line over %d bytes", MAX_LINE);
+        if (j->line_len + part > MAX_CHUNK_LINE) {
+            snprintf(err, cap, "chunk line over %d bytes", MAX_CHUNK_LINE);
             return -1;
         }
         if (j->line_len) {
@@ -681,7 +673,7 @@ static void head_readable(Pump *p, job_t *j, char *buf) {
     int keep = 0;
     char *out = end ? client_head(h, (size_t)(end - h), j->suffix, j->suffix_len, &out_len, &keep) : NULL;
     if (!out) {
-        if (!end && j->head_len <= MAX_HEAD) return; /* more to come */
+        if (!end && j->head_len <= MAX_HEAD_BYTES) return; /* more to come */
         result_t *res = push_result(p, j->up_fd, R_HEAD, 0, "");
         res->data = j->head;
         res->data_len = j->head_len;
@@ -829,17 +821,17 @@ static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     long coalesce_us = 0;
     PyObject *gap_bounds = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|lO", kwlist, &coalesce_us, &gap_bounds)) return NULL;
-    if (coalesce_us < 0 || coalesce_us > 100000) {
-        PyErr_Format(PyExc_ValueError, "coalesce_us must be 0 to 100000, got %ld", coalesce_us);
+    if (coalesce_us < 0 || coalesce_us > MAX_COALESCE_US) {
+        PyErr_Format(PyExc_ValueError, "coalesce_us must be 0 to %d, got %ld", MAX_COALESCE_US, coalesce_us);
         return NULL;
     }
-    double bounds[MAX_BOUNDS];
+    double bounds[MAX_GAP_BOUNDS];
     Py_ssize_t nbounds = 0;
     if (gap_bounds && gap_bounds != Py_None) {
         PyObject *seq = PySequence_Fast(gap_bounds, "gap_bounds must be a sequence of seconds");
         if (!seq) return NULL;
         nbounds = PySequence_Fast_GET_SIZE(seq);
-        int bad = nbounds > MAX_BOUNDS;
+        int bad = nbounds > MAX_GAP_BOUNDS;
         for (Py_ssize_t i = 0; !bad && i < nbounds; i++) {
             bounds[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
             if (bounds[i] == -1.0 && PyErr_Occurred()) {
@@ -850,7 +842,7 @@ static PyObject *Pump_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         }
         Py_DECREF(seq);
         if (bad) {
-            PyErr_Format(PyExc_ValueError, "gap_bounds must be at most %d positive ascending seconds", MAX_BOUNDS);
+            PyErr_Format(PyExc_ValueError, "gap_bounds must be at most %d positive ascending seconds", MAX_GAP_BOUNDS);
             return NULL;
         }
     }
@@ -997,7 +989,7 @@ static PyObject *Pump_add(Pump *p, PyObject *args) {
                           &want_tail))
         return NULL;
     if (check_fds(up_fd, client_fd) < 0) return NULL;
-    if (state < S_SIZE || state > S_TRAILER || line_len > MAX_LINE ||
+    if (state < S_SIZE || state > S_TRAILER || line_len > MAX_CHUNK_LINE ||
         (line_len && state != S_SIZE && state != S_TRAILER)) {
         PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
         return NULL;
@@ -1251,7 +1243,7 @@ static PyObject *module_scan_chunked(PyObject *Py_UNUSED(m), PyObject *args) {
     const char *line, *data;
     Py_ssize_t line_len, n;
     if (!PyArg_ParseTuple(args, "iKy#y#", &state, &remaining, &line, &line_len, &data, &n)) return NULL;
-    if (state < S_SIZE || state > S_DONE || line_len > MAX_LINE ||
+    if (state < S_SIZE || state > S_DONE || line_len > MAX_CHUNK_LINE ||
         (line_len && state != S_SIZE && state != S_TRAILER)) {
         PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
         return NULL;
@@ -1301,7 +1293,7 @@ PyMODINIT_FUNC PyInit__pump(void) {
     }
     if (PyModule_AddIntConstant(m, "DONE", R_DONE) < 0 || PyModule_AddIntConstant(m, "ENGINE", R_ENGINE) < 0 ||
         PyModule_AddIntConstant(m, "CLIENT", R_CLIENT) < 0 || PyModule_AddIntConstant(m, "HEAD", R_HEAD) < 0 ||
-        PyModule_AddIntConstant(m, "EARLY", R_EARLY) < 0 || PyModule_AddIntConstant(m, "MAX_HEAD", MAX_HEAD) < 0) {
+        PyModule_AddIntConstant(m, "EARLY", R_EARLY) < 0 || PyModule_AddIntConstant(m, "MAX_HEAD", MAX_HEAD_BYTES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -28,7 +28,8 @@ from router.limits import (
     DEFAULT_MAX_CONNECTIONS,
     ClientLimits,
 )
-from router.relay import DEFAULT_COALESCE_US, MAX_COALESCE_US
+from router.pumpconst import MAX_COALESCE_US
+from router.relay import DEFAULT_COALESCE_US
 from router.routes import parse_url
 from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
 from settings import ConfigError, FieldProblem

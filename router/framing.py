@@ -9,7 +9,7 @@ import re
 
 import attrs
 
-MAX_HEAD_BYTES = 64 * 1024
+from router.pumpconst import MAX_CHUNK_LINE, MAX_HEAD_BYTES, MAX_SIZE_DIGITS, SCANNER_STATES
 
 
 class UpstreamError(Exception):
@@ -108,10 +108,8 @@ def parse_response_head(buf: bytes | bytearray) -> tuple[ResponseHead, int] | No
 # Every line ends in CRLF: a bare LF is malformed (RFC 9112 §2.2 lets a recipient accept one; the
 # bytes go on to the client as they are, and a client that reads lines otherwise would be framed
 # differently). The optional whitespace before the CRLF is what h11 takes too. A line is at most
-# MAX_CHUNK_LINE bytes before its LF; a size is at most 15 hex digits (leading zeros count), so
-# that it fits 60 bits in C with room to add.
-MAX_CHUNK_LINE = 4096
-MAX_SIZE_DIGITS = 15
+# MAX_CHUNK_LINE bytes before its LF; a size is at most MAX_SIZE_DIGITS (15) hex digits (leading
+# zeros count), so that it fits 60 bits in C with room to add (both in router.pumpconst).
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
 _EXT = rb"[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?"
@@ -140,7 +138,7 @@ class ChunkedScanner:
     same state (``snapshot``/``resume``), held to the same results by
     tests/test_framing_differential.py."""
 
-    _SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
+    _SIZE, _DATA, _CRLF, _TRAILER, _DONE = (value for _, value in SCANNER_STATES)
 
     def __init__(self, *, decode: bool = False) -> None:
         self.decode = decode

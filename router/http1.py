@@ -46,7 +46,7 @@ import attrs
 import httptools
 import trio
 
-from router.relay import RECEIVE_SIZE
+from router.pumpconst import RECEIVE_SIZE
 
 #: Largest request head (request line and headers) the router reads.
 MAX_REQUEST_HEAD = 64 * 1024

@@ -57,6 +57,8 @@ import attrs
 import outcome
 import trio
 
+from router.pumpconst import MAX_COALESCE_US, RECEIVE_SIZE, TAIL_BYTES
+
 try:
     from router import _pump
 except ImportError:  # built without a C compiler: the Python pump serves
@@ -64,8 +66,6 @@ except ImportError:  # built without a C compiler: the Python pump serves
 
 NATIVE_AVAILABLE = _pump is not None
 
-RECEIVE_SIZE = 65536  # per recv, here and in the router
-MAX_COALESCE_US = 100_000  # as router/_pump.c checks
 # The router's default bound on the pause (the pause adapts below it: none with one stream, the
 # whole bound from nine on, and never before a response's first event; see _pump.c, serve): a
 # decode step's tokens for a few dozen streams arrive within about that, and a token delayed by
@@ -86,10 +86,6 @@ ITL_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
     0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
 )  # fmt: skip
-#: The bytes of a body's end kept for usage (the usage chunk and [DONE] of a stream that asked for
-#: ``stream_options.include_usage``, or a JSON body's ``usage`` object): a usage event is a few
-#: hundred bytes.
-TAIL_BYTES = 4096  # as router/_pump.c's TAIL_BYTES
 
 
 class StreamFacts:

@@ -11,17 +11,43 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from router.framing import MAX_CHUNK_LINE, ChunkedScanner, UpstreamBroken
+from router.framing import ChunkedScanner, UpstreamBroken
+from router.pumpconst import MAX_CHUNK_LINE
+
+
+def test_the_c_header_of_the_shared_constants_is_fresh() -> None:
+    """router/_pump_const.h is what router/pumpconst.py generates (the C pump includes it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.pumpconst", "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+
 
 _pump = pytest.importorskip("router._pump", reason="the native relay pump (router/_pump.c) is not built")
 
-# More under ``nox -s fuzz`` (tests/fuzz/asan.py), where the native scanner runs under the sanitizers.
+# More under ``nox -s fuzz`` (tests/fuzz/asan.py), where the native scanner runs under the sanitizers
+# and each run explores anew. Elsewhere (``nox -s tests``, CI) a fixed budget: the same examples
+# every run and no example database, so a red run is the code's doing and reproduces.
+FUZZING = "LLMGW_FUZZ_EXAMPLES" in os.environ
 EXAMPLES = int(os.environ.get("LLMGW_FUZZ_EXAMPLES", "600"))
+
+
+def budget(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=not FUZZING,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
 
 # ("ok" or "error", bytes used, state after, chunks begun so far)
 Outcome = tuple[str, int, tuple[int, int, bytes], int]
@@ -144,7 +170,7 @@ INPUTS = st.one_of(valid_body(), mutated(), st.binary(max_size=64))
 TAIL = st.sampled_from([b"", b"HTTP/1.1 200 OK\r\n", b"5\r\nhello\r\n"])  # the next response's bytes
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@budget(EXAMPLES)
 @given(data=INPUTS, tail=TAIL, cuts=st.lists(st.integers(0, 400), max_size=6))
 @example(data=b"-5\r\nhello\r\n0\r\n\r\n", tail=b"", cuts=[])
 @example(data=b"0x5\r\nhello\r\n0\r\n\r\n", tail=b"", cuts=[2])
@@ -156,7 +182,7 @@ def test_the_two_scanners_agree_on_any_input_split_anywhere(
 
 
 @given(body=valid_body(), tail=TAIL, cuts=st.lists(st.integers(0, 400), max_size=6))
-@settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@budget(EXAMPLES // 3)
 def test_a_valid_body_ends_exactly_at_its_end(body: bytes, tail: bytes, cuts: list[int]) -> None:
     """Whatever follows a body (another response's bytes) is never taken as part of it."""
     bounds = [0, *sorted({c for c in cuts if 0 < c < len(body)}), len(body) + len(tail)]
