@@ -1,12 +1,9 @@
 """The router's side of its clients' HTTP/1.1 connections: requests read with httptools, responses framed here.
 
-Why httptools and not h11
--------------------------
-Time to first byte at concurrency 1 is the router's own Python on the request's path, and on a
-busy machine that code runs cold. h11 cost about 200 us (cold) to read a request and 140 us to
-frame a response head, a third of what the router added. httptools is llhttp (Node's parser, in
-C) behind a callback interface: the request line, headers and body (content-length or chunked) are
-parsed in C and reach Python as one call per header. Framing a response is string formatting:
+Requests are parsed by httptools, which is llhttp (Node's parser, in C) behind a callback
+interface: the request line, headers and body (content-length or chunked) are parsed in C and
+reach Python as one call per header, since this code is on every request's path to its first
+byte (why not h11: docs/router.md). Framing a response is string formatting:
 the status line, headers the router chose or relayed (``router.framing.parse_response_head``
 already refused engine headers with bare CR or LF), and the body's framing, which depends only on
 the client's HTTP version.
@@ -233,10 +230,9 @@ class ClientConn:
     ends (closing its engine connection is how the engine learns the client left), and so does
     the connection. While ``next_request`` waits for a request, the same scope's deadline is the
     header timeout (a head in progress, or a new connection's first), or the idle timeout (between
-    requests, or a body's silence); ``timed_out`` then says which fired. Nothing is started, stopped or re-registered per request: an earlier design
-    read the socket from a watcher task during each response, and stopping it (a cancellation
-    and a task switch) cost 130 us on the way to the next request; a cancel scope of its own per
-    request and per response cost another 30 us (two scopes, entered and left)."""
+    requests, or a body's silence); ``timed_out`` then says which fired. Nothing is started,
+    stopped or re-registered per request, since anything that is costs every request's way to the
+    next one (docs/router.md has what the alternatives cost)."""
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ The series (``docs/router.md`` lists them for operators):
 - ``llmgw_router_upstream_errors_total{replica,url,kind}``, ``llmgw_router_retries_total{model}``,
   ``llmgw_router_client_disconnects_total{model}``, ``llmgw_router_ejections_total{replica,url}``,
   ``llmgw_router_client_connections_closed_total{reason}``;
-- gauges read from the balancer, the pool and the pump at scrape time: ``llmgw_router_in_flight``,
+- gauges read from the ejection records, the pool and the pump at scrape time: ``llmgw_router_in_flight``,
   ``llmgw_router_upstream_ejected``, ``llmgw_router_idle_connections``, ``llmgw_router_streams``,
   ``llmgw_router_streams_client_blocked``, ``llmgw_router_client_connections``;
 - the relay pump's ``llmgw_router_relay_{wakeups,pauses,reads}_total``;
@@ -53,9 +53,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from router.balancer import Balancer
 from router.pool import Pool
 from router.relay import ITL_BUCKETS, Pump, StreamFacts
+from router.retry import Ejection
 from router.routes import Upstream
 from telemetry.metrics import exposition, new_registry
 
@@ -162,7 +162,7 @@ class Metrics:
     """The router's counters (see the module docstring), owned by one router.
 
     Plain dicts updated from the router's tasks, which all run on one trio thread, so no locks; the
-    gauges (in flight, ejected, idle connections) are read from the balancer and pool at scrape
+    gauges (in flight, ejected, idle connections) are read from the ejection records and pool at scrape
     time instead of being kept up to date on every request."""
 
     def __init__(self, version: str = "unknown") -> None:
@@ -217,17 +217,17 @@ class Metrics:
 
     # -- scrapes ------------------------------------------------------------------------------------
 
-    def families(self, balancer: Balancer, pool: Pool, pump: Pump, now: float) -> list[Metric]:
+    def families(self, ejection: Ejection, pool: Pool, pump: Pump, now: float) -> list[Metric]:
         """Every router series as metric families, read now (call it on the trio thread)."""
-        return list(RouterCollector(self, balancer, pool, pump, now).collect())
+        return list(RouterCollector(self, ejection, pool, pump, now).collect())
 
     async def scrape(
-        self, balancer: Balancer, pool: Pool, pump: Pump, now: float, accept: str = ""
+        self, ejection: Ejection, pool: Pool, pump: Pump, now: float, accept: str = ""
     ) -> tuple[bytes, str]:
         """The exposition (and its content type) in the format ``accept`` asks for: the router's
         series read here, on the trio thread; encoding and the process collector in a thread."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Fixed(self.families(balancer, pool, pump, now)))
+        registry.register(_Fixed(self.families(ejection, pool, pump, now)))
         registry.register(self.process)
         return await exposition(registry, accept)
 
@@ -243,12 +243,12 @@ class _Fixed(Collector):
 
 
 class RouterCollector(Collector):
-    """A ``prometheus_client`` custom collector over one router's ``Metrics`` and the balancer,
+    """A ``prometheus_client`` custom collector over one router's ``Metrics`` and the ejection,
     pool and pump gauges; not thread-safe against the router's tasks: collect on the trio thread
     (``Metrics.families``)."""
 
-    def __init__(self, metrics: Metrics, balancer: Balancer, pool: Pool, pump: Pump, now: float) -> None:
-        self.metrics, self.balancer, self.pool, self.pump, self.now = metrics, balancer, pool, pump, now
+    def __init__(self, metrics: Metrics, ejection: Ejection, pool: Pool, pump: Pump, now: float) -> None:
+        self.metrics, self.ejection, self.pool, self.pump, self.now = metrics, ejection, pool, pump, now
 
     def collect(self) -> Iterator[Metric]:
         m = self.metrics
@@ -320,7 +320,7 @@ class RouterCollector(Collector):
             ["reason"],
             (((k,), v) for k, v in m.clients_closed.items()),
         )
-        health = sorted(self.balancer.health.items())
+        health = sorted(self.ejection.health.items())
         in_flight = GaugeMetricFamily(
             "llmgw_router_in_flight", "Requests outstanding on each upstream.", labels=["replica", "url"]
         )

@@ -51,13 +51,22 @@ import socket
 import time
 from bisect import bisect_left
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import attrs
 import outcome
 import trio
 
+from router.exchange import ClientLeft, Exchange, RouterError
+from router.framing import CHUNKED, LENGTH, NO_BODY, UNTIL_CLOSE, ChunkedScanner, ResponseHead, UpstreamBroken
+from router.http1 import LAST_CHUNK, chunk, end_of_head, status_block
 from router.pumpconst import MAX_COALESCE_US, RECEIVE_SIZE, TAIL_BYTES
+from router.routes import Upstream
+
+if TYPE_CHECKING:
+    from router.metrics import Metrics
+    from router.retry import Ejection
+    from router.upstream import UpstreamConn
 
 try:
     from router import _pump
@@ -70,11 +79,7 @@ NATIVE_AVAILABLE = _pump is not None
 # whole bound from nine on, and never before a response's first event; see _pump.c, serve): a
 # decode step's tokens for a few dozen streams arrive within about that, and a token delayed by
 # half a millisecond is a few percent of an engine's inter-token latency, and only while the pump
-# is busy (an idle pump relays at once). Measured with the fixed pause on the sim
-# engine (ITL 5 ms), two CPUs, three interleaved rounds: router CPU per event 29.2-30.5 us at
-# concurrency 32 and 29.1-32.0 us at 256 with 250 us, 23.7-29.6 and 27.4-31.5 us with 500 us;
-# the clients' inter-token gaps and first bytes were no later (on a saturated machine, the CPU
-# the router gives back is the engine's and the clients'). 1000 us saved little more.
+# is busy (an idle pump relays at once). How it was chosen: docs/router.md, 2026-12-04.
 DEFAULT_COALESCE_US = 500
 MAX_EVENTS = 512  # per wake-up; the rest wait for the next round, after other tasks had theirs
 
@@ -558,3 +563,231 @@ class PythonRelayPump:
         job.finished = True
         self._unwatch(job)
         trio.lowlevel.reschedule(job.task, result)
+
+
+# ---------------------------------------------------------------------------------------------
+# The relay of one response to its client
+
+
+#: Connection-level headers that describe one hop, never relayed (RFC 9110 7.6.1); the body's
+#: framing headers are set by the router for the client's hop.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+    }
+)
+
+
+class Relay:
+    """How one engine response goes to its client, once its engine is chosen and the request
+    sent: the whole streamed response by the native pump's thread (``respond_whole``), or from a
+    head read by the router (``relay``): chunked bytes passed through by the pump, or a body
+    decoded, re-encoded or passed on as it arrives. It notes what /metrics needs on the way (the
+    first byte's time, mid-stream failures, the body's facts) and that the engine answered."""
+
+    def __init__(self, pump: Pump, metrics: Metrics, ejection: Ejection, clock: Callable[[], float]) -> None:
+        self.pump = pump
+        self.metrics = metrics
+        self.ejection = ejection
+        self.clock = clock
+
+    async def respond_whole(self, ex: Exchange, conn: UpstreamConn, upstream: Upstream) -> Response:
+        """The usual streamed response, all of it relayed by the native pump's thread from the
+        engine's head on (``NativeRelayPump.respond``): this task is woken once per request,
+        when the body has ended, instead of once more for the head. The answer says whether the
+        engine's connection is reusable, or holds the head the pump handed back for ``UpstreamConn.read_head``
+        and ``relay`` to take from there; raises ``EngineFailedEarly`` when the engine failed
+        before its head (another replica may be tried)."""
+        suffix = end_of_head(
+            ((b"x-llmgw-replica", upstream.replica_id.encode()), (b"transfer-encoding", b"chunked")),
+            close=not ex.request.keep_alive,
+        )
+        pump = cast(NativeRelayPump, self.pump)
+        scanner = ChunkedScanner()  # where the body stopped, handed back if the pump is withdrawn
+        facts = ex.facts = StreamFacts(pump.gap_bounds, want_tail=ex.want_tail)
+        ex.at_chunk_end = lambda: scanner.at_chunk_end
+
+        def head_out(sent_at: float) -> None:
+            ex.head_sent = ex.ttfb_done = True
+            ex.status = 200  # the only head the pump relays itself
+            self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - sent_at))
+
+        try:
+            answer = await pump.respond(conn.sock, ex.fd, suffix, head_out, scanner, facts)
+        except EngineClosed as exc:  # after the head, or a malformed first chunk with it
+            self.ejection.succeeded(upstream)
+            self.metrics.upstream_error(upstream, "mid_stream")
+            ex.status = 200
+            raise UpstreamBroken(str(exc)) from None
+        except (ClientGone, RelayClosed) as exc:
+            raise ClientLeft(str(exc)) from None
+        if answer.handed_back is None:
+            self.ejection.succeeded(upstream)
+            ex.status = 200
+            ex.complete = ex.request.keep_alive
+        return answer
+
+    async def write(self, ex: Exchange, data: bytes) -> None:
+        """Write to the client: straight to the socket when the kernel takes it all (the usual case
+        for an SSE event), avoiding ``send_all``'s scheduler round trips; the readiness wait on the
+        upstream is the loop's checkpoint."""
+        try:
+            sent = os.write(ex.fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise ClientLeft(str(exc)) from exc
+        if sent < len(data):
+            try:
+                await ex.client.stream.send_all(data[sent:])
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ClientLeft(str(exc)) from exc
+        if not ex.ttfb_done:
+            ex.ttfb_done = True
+            self.metrics.observe_ttfb(ex.model, self.clock() - ex.started)
+
+    async def relay(
+        self, ex: Exchange, conn: UpstreamConn, head: ResponseHead, buf: bytes, upstream: Upstream
+    ) -> bool:
+        """Relay the response to the client; returns whether the upstream connection is reusable.
+
+        The body keeps the engine's framing where the client can take it: chunked to an HTTP/1.1
+        client (byte for byte), a content-length body as it is. An HTTP/1.0 client gets a chunked
+        body decoded, ended by closing; a body the engine ends by closing goes to an HTTP/1.1
+        client chunked, so that its connection stays usable."""
+        ex.status = head.status
+        http11 = ex.request.http11
+        ours = [(b"x-llmgw-replica", upstream.replica_id.encode())]
+        close = not ex.request.keep_alive
+        encode = False
+        if head.framing == NO_BODY:
+            ours.append((b"content-length", b"0"))
+        elif head.framing == LENGTH:
+            ours.append((b"content-length", str(head.length).encode()))
+        elif http11:  # CHUNKED relayed as it is, or UNTIL_CLOSE chunk-encoded here
+            ours.append((b"transfer-encoding", b"chunked"))
+            encode = head.framing == UNTIL_CLOSE
+        else:
+            close = True  # an HTTP/1.0 client: the end of the body is the end of the connection
+        # The engine's headers less the hop-by-hop ones, then ours: as the pump's thread writes
+        # the heads it relays itself (respond_whole).
+        engine = [(k, v) for k, v in head.headers if k not in HOP_BY_HOP]
+        out = status_block(head.status, engine, head.reason) + end_of_head(ours, close=close)
+        ex.head_sent = True
+        try:
+            if head.framing == NO_BODY:
+                await self.write(ex, out)
+                ex.complete = not close
+                return head.keep_alive and not buf
+            if head.framing == CHUNKED and http11:
+                reusable = await self._chunked(ex, conn, buf, out, head.keep_alive)
+            else:
+                reusable = await self._decoded(ex, conn, head, buf, out, encode)
+            ex.complete = not close
+            return reusable
+        except OSError as exc:  # the engine's socket broke after the response had begun
+            self.metrics.upstream_error(upstream, "mid_stream")
+            raise UpstreamBroken(str(exc)) from exc
+        except UpstreamBroken:
+            self.metrics.upstream_error(upstream, "mid_stream")
+            raise
+
+    async def _chunked(
+        self, ex: Exchange, conn: UpstreamConn, buf: bytes, out: bytes, keep_alive: bool
+    ) -> bool:
+        """The hot path: chunked bytes pass through unchanged. The head goes out at once, with
+        whatever part of the body came with it; the rest of the body goes to the relay pump
+        (``router.relay``). An engine sends a stream's head before its first token, so the
+        first token is usually relayed by the pump too: from the pump's thread, which is woken
+        by the engine's socket directly, that is sooner than a wake-up through trio's loop, and
+        it spares this task one wake-up per request."""
+        scanner = ChunkedScanner()
+        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_tail)
+        try:
+            used = scanner.feed(buf) if buf else 0
+        except UpstreamBroken as exc:  # came with the head, which has not gone out: a 502
+            ex.head_sent = False
+            raise RouterError(
+                502,
+                f"model `{ex.model}`: the engine's response is malformed: {exc}",
+                "upstream_error",
+                "bad_chunk",
+            ) from None
+        extra = used < len(buf)
+        # The Python pump feeds this scanner as it relays; the native one takes its state over
+        # and hands it back when the relay is withdrawn (a stalled engine, see Router._timed_out).
+        ex.at_chunk_end = lambda: scanner.at_chunk_end
+        await self.write(ex, out + buf[:used])
+        facts.saw(scanner.events, time.monotonic())
+        facts.keep(buf[:used])
+        if not scanner.done:
+            try:
+                extra = not await self.pump.relay(conn.sock, ex.fd, scanner, facts)
+            except EngineClosed as exc:
+                raise UpstreamBroken(str(exc)) from None
+            except (ClientGone, RelayClosed) as exc:
+                raise ClientLeft(str(exc)) from None
+        return keep_alive and not extra
+
+    async def _decoded(
+        self, ex: Exchange, conn: UpstreamConn, head: ResponseHead, buf: bytes, out: bytes, encode: bool
+    ) -> bool:
+        """Bodies that are not passed through chunk for chunk: content-length (relayed as it
+        arrives), chunked to an HTTP/1.0 client (decoded), or an engine body that ends when its
+        connection closes (chunk-encoded when ``encode``)."""
+        scanner = ChunkedScanner(decode=True) if head.framing == CHUNKED else None
+        remaining = head.length
+        extra = False
+        data = buf
+        # Bodies here are JSON answers and errors (streams take _chunked): only their
+        # last bytes matter, for usage; a rare decoded stream counts its events too.
+        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_tail)
+        if encode:  # chunks written here, whole, by this task
+            ex.at_chunk_end = _whole_engine_chunks
+        while True:
+            done = False
+            if data:
+                if scanner is not None:
+                    before = scanner.events
+                    used = scanner.feed(data)
+                    extra = extra or used < len(data)
+                    pieces, scanner.payloads = scanner.payloads, []
+                    done = scanner.done
+                    facts.saw(scanner.events - before, time.monotonic())
+                elif head.framing == LENGTH:
+                    if len(data) > remaining:
+                        extra, data = True, data[:remaining]
+                    remaining -= len(data)
+                    pieces, done = [data], remaining == 0
+                else:
+                    pieces = [data]
+                for piece in pieces:
+                    facts.keep(piece)
+                out += b"".join(chunk(p) for p in pieces if p) if encode else b"".join(pieces)
+            if out:
+                await self.write(ex, out)
+                out = b""
+            if done:
+                return head.keep_alive and not extra
+            data = await conn.recv()
+            if not data:
+                if head.framing == UNTIL_CLOSE:
+                    if encode:
+                        await self.write(ex, LAST_CHUNK)
+                    return False
+                raise UpstreamBroken("the engine closed the connection mid-response")
+
+
+def _whole_engine_chunks() -> bool:
+    """Whether a client's chunked body ends with a whole chunk: always, where this task writes
+    each chunk whole (an engine body that ends by closing, chunk-encoded here)."""
+    return True

@@ -1,74 +1,25 @@
-"""The router: an OpenAI-compatible HTTP API that sends traffic straight to the engines.
+"""The router's server: an OpenAI-compatible HTTP API that sends traffic straight to the engines.
 
-It runs as its own service (``python -m router``, ``router.cli``: routes watched from the control
-plane with ``--control URL``, or a static endpoint list with ``--static MODEL=URL``; several of
-them, on one port with ``--reuse-port``) or embedded in the control plane's process
-(``Router(plane.routes, config)``). Either way it talks only to engine URLs, so
-engines keep serving while the agent or the control plane restarts. Its settings are one
-``router.config.RouterConfig``; its parts are in their own modules: ``router.balancer`` (choosing
-a replica), ``router.upstream`` and ``router.pool`` (engine connections), ``router.limits``
-(clients), ``router.stalls`` (silent engines), ``router.metrics``, and the framing and relay.
+``Router(routes, config)`` listens, answers each client connection in one task (reading its
+requests in order, authorizing them, answering /health, /metrics and /v1/models itself), and
+proxies the completion and embedding requests to a replica of their model, watching every request
+in flight for a silent engine (the stall watch) and stopping like a service (``shutdown``). It
+runs as its own process (``router.cli``) or inside the control plane's, and talks only to engine
+URLs, so engines keep serving while an agent or the control plane restarts.
 
-Why it is built this way
-------------------------
-Byte transparency. A request body is forwarded as it came; JSON is parsed once, only to read ``model``
-and the prompt prefix. A response is relayed as it arrives: its status, its end-to-end headers and its
-body. A streamed (SSE) body that the engine sends with chunked framing goes to an HTTP/1.1 client in
-that same framing, byte for byte: the router only scans the chunk-size lines to find where the body
-ends (``ChunkedScanner``), so no event is decoded, re-encoded or re-framed on the way.
-
-Cost per token. Everything on the path of a streamed chunk is one readiness wait on the engine's
-socket, one ``recv``, one scan and one ``write`` to the client. Both sides therefore drive sockets
-themselves: the client side is ``router.http1`` (httptools, that is llhttp in C, reads requests;
-responses are framed there), and the engine side is a small HTTP/1.1 client on plain non-blocking
-sockets with a keep-alive pool (``router.pool``). An ASGI stack and httpx add several task switches and
-copies per chunk; on two cores that is the difference between tens and hundreds of microseconds of
-CPU per relayed chunk. The chunks themselves, and with the native pump the usual response head
-before them (HTTP/1.1 200, chunked), are moved by the relay pump (``router.relay``), so a streamed
-request wakes its task once, when its body has ended (``_respond_whole``).
-
-Choosing a replica (``Balancer``). Least outstanding requests, with prefix affinity: the first
-``affinity_chars`` characters of the prompt (chat messages concatenated, or ``prompt``, or ``input``)
-are hashed, the model's upstreams are ranked by rendezvous hashing of that digest with each URL,
-and the request goes to the highest-ranked upstream whose outstanding count is at most the lowest
-count among them plus ``affinity_slack``. Requests sharing a prefix therefore land on the engine that
-already holds that prefix's KV cache while it is not overloaded, and spill to the least loaded one
-when it is; rendezvous ranking moves only the prefixes of a replica that comes or goes. Requests with
-no prompt go to the least loaded upstream (ties at random).
-
-Failures. A failure before any response byte reached the client (connect refused or timed out,
-reset, closed before a status line, or an HTTP 503 while another replica is left to try) moves the
-request to another replica, at most ``max_attempts`` replicas; when all fail the client gets a 502
-naming each failure. A pooled connection that the engine had already closed is redone once on a
-fresh one and not counted. ``eject_after`` consecutive failures eject an upstream for
-``eject_base`` seconds, doubling per consecutive ejection up to ``eject_max``; after an ejection one
-more failure ejects it again, and one success clears the record. When every upstream of a model is
-ejected they are tried anyway: refusing outright would turn a blip into an outage.
-
-Silent engines. An engine that accepted a request and went quiet (hung, SIGSTOPped, a black hole)
-is cut off: ``response_timeout`` bounds the wait for its first response byte, and
-``stream_idle_timeout`` the silence after that. One task, the stall watch, checks every request in
-flight a few times per timeout against its engine socket's counters, which the kernel keeps
-anyway (``tcp_progress``), so neither pump does any per-chunk bookkeeping for it. A timeout
-before anything reached the client is a 504 naming the replica and the wait; one mid-stream ends
-the stream with an SSE error event and the chunked body's end. Either way the replica is ejected
-at once and the request is not retried (its client has waited the whole timeout; see
-``_timed_out``).
-
-Cancellation. The client connection's watcher task waits for the client to hang up
-(``router.http1.ClientConn``); a hang-up during a response means the client left, and the
-upstream connection is closed at once instead of going back to the pool, which is how an engine
-(vLLM, SGLang, the simulator) learns to stop generating.
+Its parts have their own modules: the settings (``router.config``), the routes
+(``router.routes``, ``router.watch``), the choice of a replica (``router.policies``), retries
+and ejection (``router.retry``), the engine side (``router.upstream``, ``router.pool``,
+``router.framing``), the client side (``router.http1``, ``router.limits``), the relay of a
+response (``router.relay``), silent engines (``router.stalls``) and ``router.metrics``. Why it
+is built this way, and what it measured: docs/router.md.
 
 Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 400 bad JSON or no model,
 401 bad or missing bearer key (when keys are configured), 404 unknown model (naming the known ones),
 503 no ready replica (with placement's reason), 502 every attempted upstream failed, 504 the
-engine went silent (``_timed_out``).
-``GET /health`` needs no key; ``GET /metrics`` (Prometheus text) wants ``metrics_key`` as a bearer
-token when one is set, and answers loopback clients only when none is (``_authorize_metrics``).
-Idle and slow clients are bounded by ``ClientLimits``: a header timeout, an idle timeout, a cap.
-
-No global state: every counter, pool and table belongs to one ``Router``.
+engine went silent (``_timed_out``). ``GET /health`` needs no key; ``GET /metrics`` wants
+``metrics_key`` as a bearer token when one is set, and answers loopback clients only when none is
+(``_authorize_metrics``). No global state: every counter, pool and table belongs to one ``Router``.
 """
 
 from __future__ import annotations
@@ -78,30 +29,16 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
-from typing import NoReturn, cast
+from typing import NoReturn
 
-import attrs
 import trio
 
-from router.balancer import Balancer, affinity_key, prefix_digest
 from router.config import RouterConfig
-from router.framing import (
-    CHUNKED,
-    LENGTH,
-    NO_BODY,
-    UNTIL_CLOSE,
-    ChunkedScanner,
-    ResponseHead,
-    UpstreamError,
-    parse_response_head,
-)
-from router.framing import (
-    UpstreamBroken as _UpstreamBroken,
-)
+from router.exchange import ClientLeft, Exchange, RouterError
+from router.framing import ResponseHead, UpstreamBroken, UpstreamError
 from router.http1 import (
     LAST_CHUNK,
     ClientConn,
@@ -109,34 +46,20 @@ from router.http1 import (
     RequestError,
     RequestReader,
     chunk,
-    end_of_head,
     json_body,
     response_head,
-    status_block,
 )
 from router.limits import connection_cap
 from router.metrics import UNKNOWN_MODEL, Metrics, ended_with_done, monotonic_of
+from router.policies import PolicyRequest, prompt_prefix
+from router.policies.prefix_hash import PrefixHash
 from router.pool import Pool
-from router.relay import (
-    RECEIVE_SIZE,
-    ClientGone,
-    EngineClosed,
-    EngineFailedEarly,
-    NativeRelayPump,
-    RelayClosed,
-    Response,
-    StreamFacts,
-    make_pump,
-)
-from router.routes import ModelRoutes, RoutesFn, Target, Upstream
-from router.stalls import (
-    Watch,
-    stall,
-    tcp_progress,
-    unread,
-    writable,
-)
-from router.upstream import UpstreamConn
+from router.pumpconst import RECEIVE_SIZE
+from router.relay import EngineFailedEarly, NativeRelayPump, Relay, make_pump
+from router.retry import AllFailed, Ejection, forward
+from router.routes import ModelRoutes, RoutesFn, Upstream
+from router.stalls import Watch, stall, tcp_progress, unread, writable
+from router.upstream import UpstreamConn, classify, request_bytes
 from telemetry.version import version
 
 log = logging.getLogger("llmgw.router")
@@ -148,101 +71,15 @@ EMBEDDINGS = b"/v1/embeddings"
 MODELS = b"/v1/models"
 PROXIED = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
 
-#: Connection-level headers that describe one hop, never relayed (RFC 9110 7.6.1); the body's
-#: framing headers are set by the router for the client's hop.
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-length",
-    }
-)
-
-#: Request headers passed to the engine; the rest (the client's SDK telemetry, cookies) is noise there.
-FORWARDED_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"x-request-id", b"user-agent"})
-
-
-# ---------------------------------------------------------------------------------------------
-# Values
-
-
-class RouterError(Exception):
-    """A request the router answers itself, with an OpenAI-shaped error body."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-
-    def body(self) -> bytes:
-        doc = {"error": {"message": self.message, "type": self.type, "code": self.code}}
-        return json.dumps(doc).encode()
-
-
-class _ClientGone(Exception):
-    """The client's connection closed or broke while its response was being produced."""
-
-
 #: What ``_forward`` raises when the client is gone (its connection at end of file): the
 #: engine's relay or the client's socket broke, or an error answer has no one left to take it.
 _HANG_UP_EFFECTS = (
-    _UpstreamBroken,
+    UpstreamBroken,
     RouterError,
     OSError,
     trio.BrokenResourceError,
     trio.ClosedResourceError,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# The server
-
-
-@attrs.define
-class _Exchange:
-    """One request on one client connection, while it is answered."""
-
-    client: ClientConn
-    request: Request
-    started: float
-    model: str = ""
-    status: int = 0
-    ttfb_done: bool = False
-    #: The response head went out: an error now can only end the connection.
-    head_sent: bool = False
-    #: The response went out whole, framed so that the connection can carry another.
-    complete: bool = False
-    #: The request asked for a streamed (SSE) answer.
-    stream: bool = False
-    #: The response's usage is read from its last bytes: a JSON body, or a stream that asked for
-    #: ``stream_options.include_usage``.
-    want_usage: bool = False
-
-    @property
-    def want_tail(self) -> bool:
-        """Whether the relay keeps the body's last bytes: for its usage, and for a stream also to
-        tell a client that left after the stream's last event from one that left before it."""
-        return self.want_usage or self.stream
-
-    #: What the relay learned about the response body (``router.relay.StreamFacts``), folded into
-    #: /metrics once the request is answered.
-    facts: StreamFacts | None = None
-    #: While the client's body is chunked: whether what it got so far ends with a whole chunk,
-    #: so that an error event and the last chunk can still be appended (see ``_timed_out``).
-    at_chunk_end: Callable[[], bool] | None = None
-
-    @property
-    def fd(self) -> int:
-        return self.client.fd
 
 
 class Router:
@@ -280,11 +117,9 @@ class Router:
         self.metrics_key = config.metrics_key.encode()
         self.max_body_bytes = config.max_body_bytes
         self.clock = clock
-        self.balancer = Balancer(
-            affinity_slack=config.affinity_slack,
-            eject_after=config.eject_after,
-            eject_base=config.eject_base,
-            eject_max=config.eject_max,
+        self.policy = PrefixHash(config.affinity_slack)
+        self.ejection = Ejection(
+            eject_after=config.eject_after, eject_base=config.eject_base, eject_max=config.eject_max
         )
         self.pool = Pool(
             max_idle=config.pool_max_idle,
@@ -293,6 +128,7 @@ class Router:
         )
         self.metrics = Metrics(version())
         self.pump = make_pump(coalesce_us=config.relay_coalesce_us)
+        self.relay = Relay(self.pump, self.metrics, self.ejection, clock)
         self.created = int(time.time())
         #: Open client connections, for ``shutdown`` to close the idle ones.
         self._clients: set[ClientConn] = set()
@@ -373,7 +209,7 @@ class Router:
                 continue
             now = self.clock()
             self.pool.sweep(now, live)
-            self.balancer.prune(live, now)
+            self.ejection.prune(live, now)
 
     async def _watch_stalls(self) -> None:
         """Cut off engines that went silent: every ``stall_tick`` seconds, each request in flight
@@ -492,11 +328,11 @@ class Router:
                     return
                 if request is None:  # closed or switched protocols (idle: the scope is cancelled)
                     return
-                ex = _Exchange(client, request, self.clock())
+                ex = Exchange(client, request, self.clock())
                 await self._respond(ex)
                 if not (ex.complete and request.keep_alive) or client.eof or self.stopping:
                     return
-        except (trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone, _UpstreamBroken):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ClientLeft, UpstreamBroken):
             return
         except Exception:
             # One connection's bug must not take the server down with it.
@@ -512,7 +348,7 @@ class Router:
 
     # -- one request ------------------------------------------------------------------------------
 
-    async def _respond(self, ex: _Exchange) -> None:
+    async def _respond(self, ex: Exchange) -> None:
         head = ex.request
         path = head.target.split(b"?", 1)[0]
         try:
@@ -525,7 +361,7 @@ class Router:
                     self.metrics.client_connections = self.connections
                     accept = b", ".join(v for k, v in head.headers if k == b"accept").decode("latin-1")
                     data, content_type = await self.metrics.scrape(
-                        self.balancer, self.pool, self.pump, self.clock(), accept
+                        self.ejection, self.pool, self.pump, self.clock(), accept
                     )
                     await self._send(ex, 200, data, content_type.encode())
                 return
@@ -547,7 +383,7 @@ class Router:
             ex.status = error.status
             self.metrics.request(ex.model or "", error.status)
             await self._send(ex, error.status, error.body())
-        except (_ClientGone, _UpstreamBroken):
+        except (ClientLeft, UpstreamBroken):
             raise
         except Exception as exc:
             log.exception("router: %s %r failed", head.method.decode(), head.target)
@@ -589,7 +425,7 @@ class Router:
         if not ok:
             raise RouterError(401, "incorrect API key", "invalid_request_error", "invalid_api_key")
 
-    def _authorize_metrics(self, ex: _Exchange) -> None:
+    def _authorize_metrics(self, ex: Exchange) -> None:
         """``/metrics`` names every replica's URL and the traffic per model: with ``metrics_key``
         it wants that key as a bearer token, and without one it answers loopback clients only (a
         scraper elsewhere needs the key configured; Prometheus sends it with ``authorization``)."""
@@ -633,7 +469,7 @@ class Router:
         return json.dumps({"object": "list", "data": data}).encode()
 
     async def _send(
-        self, ex: _Exchange, status: int, body: bytes, content_type: bytes = b"application/json"
+        self, ex: Exchange, status: int, body: bytes, content_type: bytes = b"application/json"
     ) -> None:
         headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
         data = response_head(status, headers, close=not ex.request.keep_alive)
@@ -641,7 +477,7 @@ class Router:
         await ex.client.stream.send_all(data if ex.request.method == b"HEAD" else data + body)
         ex.complete = True
 
-    async def _proxy(self, ex: _Exchange) -> None:
+    async def _proxy(self, ex: Exchange) -> None:
         try:
             doc = json_body(ex.request.body)
         except RequestError as exc:  # not JSON, or nested past MAX_JSON_DEPTH
@@ -678,8 +514,7 @@ class Router:
             raise RouterError(
                 503, f"model `{model}` has no ready replica: {why}", "service_unavailable", "no_ready_replica"
             )
-        key = affinity_key(doc, self.affinity_chars)
-        digest = prefix_digest(key) if key else None
+        request = PolicyRequest(model, prompt_prefix(doc, self.affinity_chars))
 
         # The client hanging up cancels the connection's scope (ClientConn.watch), and with it
         # this request: leaving _forward closes the engine connection, which cancels its work.
@@ -687,28 +522,28 @@ class Router:
         # or an answer there is no one left to take); anything else, a bug above all, goes on
         # as it is, to be logged (_respond, _serve_client), never counted as the client's doing.
         try:
-            await self._forward(ex, routes, digest)
+            await self._forward(ex, routes, request)
         except trio.Cancelled:
             if ex.client.eof:
                 self._client_left(ex)
             raise
-        except _ClientGone:
+        except ClientLeft:
             self._client_left(ex)
             raise
         except _HANG_UP_EFFECTS as exc:
             if not ex.client.eof:
-                if isinstance(exc, _UpstreamBroken):
+                if isinstance(exc, UpstreamBroken):
                     self.metrics.request(model, ex.status)
                 raise
             self._client_left(ex)
-            raise _ClientGone() from None
+            raise ClientLeft() from None
         finally:
             if ex.facts is not None:  # once per response, however it ended
                 since = monotonic_of(self.clock(), ex.started) if ex.stream else None
                 self.metrics.body_ended(model, ex.facts, since, count_usage=ex.want_usage)
         self.metrics.request(model, ex.status)
 
-    def _client_left(self, ex: _Exchange) -> None:
+    def _client_left(self, ex: Exchange) -> None:
         """Count a request whose client hung up before its response's end: a 499 and a
         disconnect, unless the stream's last event (``data: [DONE]``) had gone out, after which
         the ``openai`` client closes at once, answered whole (``ended_with_done``)."""
@@ -718,50 +553,38 @@ class Router:
         self.metrics.disconnects[ex.model] = self.metrics.disconnects.get(ex.model, 0) + 1
         self.metrics.request(ex.model, 499)
 
-    def _upstream_request(self, ex: _Exchange, target: Target, api_key: str = "") -> bytes:
-        """The request head and body for the engine. An engine with a key of its own gets that key
-        and never the client's (the client's is for this router's ``api_keys``); one without gets
-        the client's ``Authorization`` only when this router checks none itself (a static
-        endpoint that wants the client's own credentials)."""
-        head = ex.request
-        body = head.body
-        lines = [head.method, b" ", target.base_path, head.target, b" HTTP/1.1\r\nhost: ", target.host_header]
-        lines.append(b"\r\ncontent-length: ")
-        lines.append(str(len(body)).encode())
-        if api_key:
-            lines += (b"\r\nauthorization: Bearer ", api_key.encode())
-        for name, value in head.headers:
-            if name in FORWARDED_REQUEST_HEADERS or (
-                name == b"authorization" and not self.api_keys and not api_key
-            ):
-                lines += (b"\r\n", name, b": ", value)
-        lines.append(b"\r\n\r\n")
-        lines.append(body)
-        return b"".join(lines)
+    async def _forward(self, ex: Exchange, routes: ModelRoutes, request: PolicyRequest) -> None:
+        """Answer ``ex`` from one of ``routes``' replicas, moving to another after a failure before
+        any response byte (``router.retry``); a 502 naming every failure when none answered."""
 
-    async def _forward(self, ex: _Exchange, routes: ModelRoutes, digest: bytes | None) -> None:
-        tried: list[str] = []
-        failures: list[str] = []
-        attempts = min(self.max_attempts, len(routes.upstreams))
-        for attempt in range(attempts):
-            upstream = self.balancer.choose(routes.upstreams, digest, self.clock(), tried)
-            if upstream is None:
-                break
-            tried.append(upstream.url)
-            if attempt:
-                self.metrics.retries[ex.model] = self.metrics.retries.get(ex.model, 0) + 1
-            error = await self._attempt(ex, upstream, last=attempt == attempts - 1)
-            if error is None:
-                return
-            failures.append(f"{upstream.replica_id} ({upstream.url}): {error}")
-        raise RouterError(
-            502,
-            f"every upstream of model `{ex.model}` failed before responding: " + "; ".join(failures),
-            "upstream_error",
-            "upstream_failed",
-        )
+        def pick(tried: list[str]) -> Upstream | None:
+            candidates = self.ejection.candidates(routes.upstreams, self.clock(), tried)
+            if not candidates:
+                return None
+            choice = self.policy.choose(request, candidates)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "router: model %s to %s: %s", ex.model, choice.upstream.replica_id, choice.explain()
+                )
+            return choice.upstream
 
-    async def _attempt(self, ex: _Exchange, upstream: Upstream, *, last: bool) -> str | None:
+        def retried() -> None:
+            self.metrics.retries[ex.model] = self.metrics.retries.get(ex.model, 0) + 1
+
+        async def attempt(upstream: Upstream, last: bool) -> str | None:
+            return await self._attempt(ex, upstream, last=last)
+
+        try:
+            await forward(routes.upstreams, self.max_attempts, pick, attempt, retried)
+        except AllFailed as failed:
+            raise RouterError(
+                502,
+                f"every upstream of model `{ex.model}` failed before responding: {failed}",
+                "upstream_error",
+                "upstream_failed",
+            ) from None
+
+    async def _attempt(self, ex: Exchange, upstream: Upstream, *, last: bool) -> str | None:
         """Send the request to one upstream. Returns None once a response went to the client (its
         status may be anything the engine said), or the failure when nothing did and another
         replica may be tried. An engine that stays silent past the response or stream idle
@@ -779,19 +602,21 @@ class Router:
         await self._timed_out(ex, upstream, watch)
 
     async def _try_upstream(
-        self, ex: _Exchange, upstream: Upstream, watch: Watch, *, last: bool
+        self, ex: Exchange, upstream: Upstream, watch: Watch, *, last: bool
     ) -> str | None:
-        balancer = self.balancer
-        balancer.begin(upstream)
+        ejection = self.ejection
+        ejection.begin(upstream)
         conn: UpstreamConn | None = None
         try:
             try:
                 target = self.pool.target(upstream.url)
             except ValueError as exc:
                 return self._failed(upstream, UpstreamError("connect", str(exc)))
-            request = self._upstream_request(ex, target, upstream.api_key)
+            request = request_bytes(
+                ex.request, target, upstream.api_key, pass_authorization=not self.api_keys
+            )
             # The native pump relays the usual streamed response from its head on (see
-            # _respond_whole); the timeouts apply to it from outside (the stall watch).
+            # Relay.respond_whole); the timeouts apply to it from outside (the stall watch).
             whole = isinstance(self.pump, NativeRelayPump) and ex.request.http11
             head: ResponseHead | None = None
             buf = b""
@@ -804,21 +629,21 @@ class Router:
                     watch.arm(conn.sock, self.clock())
                     await conn.send_all(request)
                     if whole:
-                        answer = await self._respond_whole(ex, conn, upstream)
+                        answer = await self.relay.respond_whole(ex, conn, upstream)
                         if answer.handed_back is None:
                             if answer.reusable:
                                 self.pool.release(conn, self.clock())
                                 conn = None
                             return None
                         buf = answer.handed_back
-                    head, buf = await self._read_head(conn, buf)
+                    head, buf = await conn.read_head(buf)
                     break
                 except (OSError, trio.TooSlowError, UpstreamError, EngineFailedEarly) as exc:
                     watch.sock = None
                     if conn is not None:
                         conn.close()
                         conn = None
-                    error = _classify(exc)
+                    error = classify(exc)
                     if reused and not fresh and not error.got_bytes:
                         continue  # a pooled connection the engine had closed: redo on a new one
                     return self._failed(upstream, error)
@@ -829,8 +654,8 @@ class Router:
                 return self._failed(
                     upstream, UpstreamError("unavailable", "answered 503 (loading or draining)")
                 )
-            balancer.succeeded(upstream)
-            if await self._relay(ex, conn, head, buf, upstream):
+            ejection.succeeded(upstream)
+            if await self.relay.relay(ex, conn, head, buf, upstream):
                 self.pool.release(conn, self.clock())
                 conn = None
             return None
@@ -838,9 +663,9 @@ class Router:
             watch.sock = None
             if conn is not None:
                 conn.close()  # never pooled mid-response: closing is what cancels the engine's work
-            balancer.end(upstream)
+            ejection.end(upstream)
 
-    async def _timed_out(self, ex: _Exchange, upstream: Upstream, watch: Watch) -> NoReturn:
+    async def _timed_out(self, ex: Exchange, upstream: Upstream, watch: Watch) -> NoReturn:
         """Answer for an engine the stall watch cut off. The replica is ejected at once, not after
         ``eject_after`` failures: each request sent to a silent engine costs its client the whole
         timeout, where a refused connection costs a millisecond and a retry. The request is not
@@ -873,13 +698,13 @@ class Router:
             # The client's socket took bytes a moment ago (the watch checks); one that stops
             # reading now must not hold this task.
             with trio.move_on_after(self.stream_idle_timeout):
-                await self._write(ex, chunk(event) + LAST_CHUNK)
-        raise _UpstreamBroken(what)
+                await self.relay.write(ex, chunk(event) + LAST_CHUNK)
+        raise UpstreamBroken(what)
 
     def _failed(self, upstream: Upstream, error: UpstreamError, *, at_once: bool = False) -> str:
         text = str(error)
         self.metrics.upstream_error(upstream, error.kind)
-        ejected = self.balancer.failed(upstream, self.clock(), text, at_once=at_once)
+        ejected = self.ejection.failed(upstream, self.clock(), text, at_once=at_once)
         if ejected is not None:
             key = (upstream.replica_id, upstream.url)
             self.metrics.ejections[key] = self.metrics.ejections.get(key, 0) + 1
@@ -887,219 +712,6 @@ class Router:
                 "router: ejected %s (%s) for %gs: %s", upstream.replica_id, upstream.url, ejected, text
             )
         return text
-
-    async def _respond_whole(self, ex: _Exchange, conn: UpstreamConn, upstream: Upstream) -> Response:
-        """The usual streamed response, all of it relayed by the native pump's thread from the
-        engine's head on (``NativeRelayPump.respond``): this task is woken once per request,
-        when the body has ended, instead of once more for the head. The answer says whether the
-        engine's connection is reusable, or holds the head the pump handed back for ``_read_head``
-        and ``_relay`` to take from there; raises ``EngineFailedEarly`` when the engine failed
-        before its head (another replica may be tried)."""
-        suffix = end_of_head(
-            ((b"x-llmgw-replica", upstream.replica_id.encode()), (b"transfer-encoding", b"chunked")),
-            close=not ex.request.keep_alive,
-        )
-        pump = cast(NativeRelayPump, self.pump)
-        scanner = ChunkedScanner()  # where the body stopped, handed back if the pump is withdrawn
-        facts = ex.facts = StreamFacts(pump.gap_bounds, want_tail=ex.want_tail)
-        ex.at_chunk_end = lambda: scanner.at_chunk_end
-
-        def head_out(sent_at: float) -> None:
-            ex.head_sent = ex.ttfb_done = True
-            ex.status = 200  # the only head the pump relays itself
-            self.metrics.observe_ttfb(ex.model, self.clock() - ex.started - (time.monotonic() - sent_at))
-
-        try:
-            answer = await pump.respond(conn.sock, ex.fd, suffix, head_out, scanner, facts)
-        except EngineClosed as exc:  # after the head, or a malformed first chunk with it
-            self.balancer.succeeded(upstream)
-            self.metrics.upstream_error(upstream, "mid_stream")
-            ex.status = 200
-            raise _UpstreamBroken(str(exc)) from None
-        except (ClientGone, RelayClosed) as exc:
-            raise _ClientGone(str(exc)) from None
-        if answer.handed_back is None:
-            self.balancer.succeeded(upstream)
-            ex.status = 200
-            ex.complete = ex.request.keep_alive
-        return answer
-
-    async def _read_head(self, conn: UpstreamConn, buf: bytes = b"") -> tuple[ResponseHead, bytes]:
-        """The engine's response head (after any 1xx heads), and the body bytes that came with
-        it; ``buf`` is what was read already."""
-        data = buf or conn.recv_nowait()
-        buf = b""
-        while True:
-            if data is None:
-                data = await conn.recv()
-            if not data:
-                what = "closed the connection before responding" if not buf else "closed mid response head"
-                raise UpstreamError("closed", what, got_bytes=bool(buf))
-            buf += data
-            data = None
-            parsed = parse_response_head(buf)
-            if parsed is None:
-                continue
-            head, used = parsed
-            buf = buf[used:]
-            while head.status < 200:  # 100 Continue and friends: skip to the real response
-                parsed = parse_response_head(buf)
-                if parsed is None:
-                    break
-                head, used = parsed
-                buf = buf[used:]
-            if head.status >= 200:
-                return head, buf
-
-    async def _write(self, ex: _Exchange, data: bytes) -> None:
-        """Write to the client: straight to the socket when the kernel takes it all (the usual case
-        for an SSE event), avoiding ``send_all``'s scheduler round trips; the readiness wait on the
-        upstream is the loop's checkpoint."""
-        try:
-            sent = os.write(ex.fd, data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            raise _ClientGone(str(exc)) from exc
-        if sent < len(data):
-            try:
-                await ex.client.stream.send_all(data[sent:])
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise _ClientGone(str(exc)) from exc
-        if not ex.ttfb_done:
-            ex.ttfb_done = True
-            self.metrics.observe_ttfb(ex.model, self.clock() - ex.started)
-
-    async def _relay(
-        self, ex: _Exchange, conn: UpstreamConn, head: ResponseHead, buf: bytes, upstream: Upstream
-    ) -> bool:
-        """Relay the response to the client; returns whether the upstream connection is reusable.
-
-        The body keeps the engine's framing where the client can take it: chunked to an HTTP/1.1
-        client (byte for byte), a content-length body as it is. An HTTP/1.0 client gets a chunked
-        body decoded, ended by closing; a body the engine ends by closing goes to an HTTP/1.1
-        client chunked, so that its connection stays usable."""
-        ex.status = head.status
-        http11 = ex.request.http11
-        ours = [(b"x-llmgw-replica", upstream.replica_id.encode())]
-        close = not ex.request.keep_alive
-        encode = False
-        if head.framing == NO_BODY:
-            ours.append((b"content-length", b"0"))
-        elif head.framing == LENGTH:
-            ours.append((b"content-length", str(head.length).encode()))
-        elif http11:  # CHUNKED relayed as it is, or UNTIL_CLOSE chunk-encoded here
-            ours.append((b"transfer-encoding", b"chunked"))
-            encode = head.framing == UNTIL_CLOSE
-        else:
-            close = True  # an HTTP/1.0 client: the end of the body is the end of the connection
-        # The engine's headers less the hop-by-hop ones, then ours: as the pump's thread writes
-        # the heads it relays itself (_respond_whole).
-        engine = [(k, v) for k, v in head.headers if k not in HOP_BY_HOP]
-        out = status_block(head.status, engine, head.reason) + end_of_head(ours, close=close)
-        ex.head_sent = True
-        try:
-            if head.framing == NO_BODY:
-                await self._write(ex, out)
-                ex.complete = not close
-                return head.keep_alive and not buf
-            if head.framing == CHUNKED and http11:
-                reusable = await self._relay_chunked(ex, conn, buf, out, head.keep_alive)
-            else:
-                reusable = await self._relay_decoded(ex, conn, head, buf, out, encode)
-            ex.complete = not close
-            return reusable
-        except OSError as exc:  # the engine's socket broke after the response had begun
-            self.metrics.upstream_error(upstream, "mid_stream")
-            raise _UpstreamBroken(str(exc)) from exc
-        except _UpstreamBroken:
-            self.metrics.upstream_error(upstream, "mid_stream")
-            raise
-
-    async def _relay_chunked(
-        self, ex: _Exchange, conn: UpstreamConn, buf: bytes, out: bytes, keep_alive: bool
-    ) -> bool:
-        """The hot path: chunked bytes pass through unchanged. The head goes out at once, with
-        whatever part of the body came with it; the rest of the body goes to the relay pump
-        (``router.relay``). An engine sends a stream's head before its first token, so the
-        first token is usually relayed by the pump too: from the pump's thread, which is woken
-        by the engine's socket directly, that is sooner than a wake-up through trio's loop, and
-        it spares this task one wake-up per request."""
-        scanner = ChunkedScanner()
-        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_tail)
-        try:
-            used = scanner.feed(buf) if buf else 0
-        except _UpstreamBroken as exc:  # came with the head, which has not gone out: a 502
-            ex.head_sent = False
-            raise RouterError(
-                502,
-                f"model `{ex.model}`: the engine's response is malformed: {exc}",
-                "upstream_error",
-                "bad_chunk",
-            ) from None
-        extra = used < len(buf)
-        # The Python pump feeds this scanner as it relays; the native one takes its state over
-        # and hands it back when the relay is withdrawn (a stalled engine, see _timed_out).
-        ex.at_chunk_end = lambda: scanner.at_chunk_end
-        await self._write(ex, out + buf[:used])
-        facts.saw(scanner.events, time.monotonic())
-        facts.keep(buf[:used])
-        if not scanner.done:
-            try:
-                extra = not await self.pump.relay(conn.sock, ex.fd, scanner, facts)
-            except EngineClosed as exc:
-                raise _UpstreamBroken(str(exc)) from None
-            except (ClientGone, RelayClosed) as exc:
-                raise _ClientGone(str(exc)) from None
-        return keep_alive and not extra
-
-    async def _relay_decoded(
-        self, ex: _Exchange, conn: UpstreamConn, head: ResponseHead, buf: bytes, out: bytes, encode: bool
-    ) -> bool:
-        """Bodies that are not passed through chunk for chunk: content-length (relayed as it
-        arrives), chunked to an HTTP/1.0 client (decoded), or an engine body that ends when its
-        connection closes (chunk-encoded when ``encode``)."""
-        scanner = ChunkedScanner(decode=True) if head.framing == CHUNKED else None
-        remaining = head.length
-        extra = False
-        data = buf
-        # Bodies here are JSON answers and errors (streams take _relay_chunked): only their
-        # last bytes matter, for usage; a rare decoded stream counts its events too.
-        facts = ex.facts = StreamFacts(self.pump.gap_bounds, want_tail=ex.want_tail)
-        if encode:  # chunks written here, whole, by this task
-            ex.at_chunk_end = _whole_engine_chunks
-        while True:
-            done = False
-            if data:
-                if scanner is not None:
-                    before = scanner.events
-                    used = scanner.feed(data)
-                    extra = extra or used < len(data)
-                    pieces, scanner.payloads = scanner.payloads, []
-                    done = scanner.done
-                    facts.saw(scanner.events - before, time.monotonic())
-                elif head.framing == LENGTH:
-                    if len(data) > remaining:
-                        extra, data = True, data[:remaining]
-                    remaining -= len(data)
-                    pieces, done = [data], remaining == 0
-                else:
-                    pieces = [data]
-                for piece in pieces:
-                    facts.keep(piece)
-                out += b"".join(chunk(p) for p in pieces if p) if encode else b"".join(pieces)
-            if out:
-                await self._write(ex, out)
-                out = b""
-            if done:
-                return head.keep_alive and not extra
-            data = await conn.recv()
-            if not data:
-                if head.framing == UNTIL_CLOSE:
-                    if encode:
-                        await self._write(ex, LAST_CHUNK)
-                    return False
-                raise _UpstreamBroken("the engine closed the connection mid-response")
 
 
 async def listen(host: str, port: int, *, reuse_port: bool = False) -> list[trio.SocketListener]:
@@ -1134,27 +746,3 @@ async def listen(host: str, port: int, *, reuse_port: bool = False) -> list[trio
             listener.socket.close()
         raise
     return listeners
-
-
-def _whole_engine_chunks() -> bool:
-    """Whether a client's chunked body ends with a whole chunk: always, where this task writes
-    each chunk whole (an engine body that ends by closing, chunk-encoded here)."""
-    return True
-
-
-def _classify(exc: OSError | trio.TooSlowError | UpstreamError | EngineFailedEarly) -> UpstreamError:
-    """What went wrong with an upstream before its response head, as the balancer and the
-    metrics name it."""
-    if isinstance(exc, UpstreamError):
-        return exc
-    if isinstance(exc, EngineFailedEarly):  # the relay pump's thread saw it (see _respond_whole)
-        if not exc.errno:
-            return UpstreamError("closed", str(exc), got_bytes=exc.got_bytes)
-        exc = OSError(exc.errno, os.strerror(exc.errno))  # the subclass that names the errno
-    if isinstance(exc, trio.TooSlowError):
-        return UpstreamError("timeout", "timed out")
-    if isinstance(exc, ConnectionRefusedError):
-        return UpstreamError("connect", f"connection refused ({exc.strerror or exc})")
-    if isinstance(exc, ConnectionResetError | BrokenPipeError):
-        return UpstreamError("reset", f"connection reset ({exc.strerror or exc})")
-    return UpstreamError("connect", exc.strerror or str(exc) or type(exc).__name__)

@@ -1,12 +1,69 @@
-"""One keep-alive HTTP/1.1 connection to an engine, on a plain non-blocking socket."""
+"""The router's HTTP/1.1 client to engines: one keep-alive connection on a plain non-blocking
+socket (``UpstreamConn``; ``router.pool`` keeps them), the request sent on it
+(``request_bytes``), the response head read from it (``UpstreamConn.read_head``), and what went
+wrong before a response began, as the retries and the metrics name it (``classify``)."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import trio
 
-from router.relay import RECEIVE_SIZE
+from router.framing import ResponseHead, UpstreamError, parse_response_head
+from router.http1 import Request
+from router.pumpconst import RECEIVE_SIZE
+from router.relay import EngineFailedEarly
+from router.routes import Target
+
+#: Request headers passed to the engine; the rest (the client's SDK telemetry, cookies) is noise there.
+FORWARDED_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"x-request-id", b"user-agent"})
+
+
+def request_bytes(request: Request, target: Target, api_key: str = "", *, pass_authorization: bool) -> bytes:
+    """The request head and body for the engine. An engine with a key of its own (``api_key``)
+    gets that key and never the client's (the client's is for the router's ``api_keys``); one
+    without gets the client's ``Authorization`` only with ``pass_authorization`` (a router that
+    checks no key itself, in front of a static endpoint that wants the client's own credentials)."""
+    body = request.body
+    lines = [
+        request.method,
+        b" ",
+        target.base_path,
+        request.target,
+        b" HTTP/1.1\r\nhost: ",
+        target.host_header,
+    ]
+    lines.append(b"\r\ncontent-length: ")
+    lines.append(str(len(body)).encode())
+    if api_key:
+        lines += (b"\r\nauthorization: Bearer ", api_key.encode())
+    for name, value in request.headers:
+        if name in FORWARDED_REQUEST_HEADERS or (
+            name == b"authorization" and pass_authorization and not api_key
+        ):
+            lines += (b"\r\n", name, b": ", value)
+    lines.append(b"\r\n\r\n")
+    lines.append(body)
+    return b"".join(lines)
+
+
+def classify(exc: OSError | trio.TooSlowError | UpstreamError | EngineFailedEarly) -> UpstreamError:
+    """What went wrong with an upstream before its response head, as the retries and the metrics
+    name it."""
+    if isinstance(exc, UpstreamError):
+        return exc
+    if isinstance(exc, EngineFailedEarly):  # the relay pump's thread saw it (Relay.respond_whole)
+        if not exc.errno:
+            return UpstreamError("closed", str(exc), got_bytes=exc.got_bytes)
+        exc = OSError(exc.errno, os.strerror(exc.errno))  # the subclass that names the errno
+    if isinstance(exc, trio.TooSlowError):
+        return UpstreamError("timeout", "timed out")
+    if isinstance(exc, ConnectionRefusedError):
+        return UpstreamError("connect", f"connection refused ({exc.strerror or exc})")
+    if isinstance(exc, ConnectionResetError | BrokenPipeError):
+        return UpstreamError("reset", f"connection reset ({exc.strerror or exc})")
+    return UpstreamError("connect", exc.strerror or str(exc) or type(exc).__name__)
 
 
 class UpstreamConn:
@@ -48,6 +105,33 @@ class UpstreamConn:
                 return self.sock.recv(RECEIVE_SIZE)
             except BlockingIOError:
                 continue
+
+    async def read_head(self, buf: bytes = b"") -> tuple[ResponseHead, bytes]:
+        """The engine's response head (after any 1xx heads), and the body bytes that came with
+        it; ``buf`` is what was read already."""
+        data = buf or self.recv_nowait()
+        buf = b""
+        while True:
+            if data is None:
+                data = await self.recv()
+            if not data:
+                what = "closed the connection before responding" if not buf else "closed mid response head"
+                raise UpstreamError("closed", what, got_bytes=bool(buf))
+            buf += data
+            data = None
+            parsed = parse_response_head(buf)
+            if parsed is None:
+                continue
+            head, used = parsed
+            buf = buf[used:]
+            while head.status < 200:  # 100 Continue and friends: skip to the real response
+                parsed = parse_response_head(buf)
+                if parsed is None:
+                    break
+                head, used = parsed
+                buf = buf[used:]
+            if head.status >= 200:
+                return head, buf
 
     def looks_alive(self) -> bool:
         """An idle keep-alive connection has nothing to read; end of file (the engine's idle

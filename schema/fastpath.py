@@ -1,8 +1,8 @@
 """A fast decoder for the one message a control plane receives thousands of times a second: Heartbeat.
 
 betterproto2 parses generically (reflection over dataclass fields, a BytesIO per nested message),
-which costs about 0.3 ms for a heartbeat with eight GPUs: at 5,000 nodes heartbeating every 5 s that
-is a third of a core spent on parsing alone. ``decode_agent_message`` reads the heartbeat's few
+which is slow enough at fleet scale to matter (docs/router.md, 2026-12-04, has the figure).
+``decode_agent_message`` reads the heartbeat's few
 fields directly and hands every other message (and any heartbeat carrying fields it does not know)
 to betterproto2, so correctness never depends on this file: a test checks it agrees with betterproto2
 on generated messages, and anything unexpected takes the generic path.

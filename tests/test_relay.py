@@ -423,7 +423,7 @@ def python_head(block: bytes) -> tuple[bytes, bool] | None:
     a 200 with a chunked body; None where the pump must hand it back."""
     from router.framing import CHUNKED, UpstreamError, parse_response_head
     from router.http1 import status_block
-    from router.server import HOP_BY_HOP
+    from router.relay import HOP_BY_HOP
 
     try:
         parsed = parse_response_head(block + b"\r\n\r\n")
@@ -785,7 +785,7 @@ async def test_the_relay_counters_reach_metrics(nursery: trio.Nursery, relay_kin
 
     router = Router(dict, RouterConfig())
     await nursery.start(router.pump.run)
-    data, _ = await router.metrics.scrape(router.balancer, router.pool, router.pump, 0.0)
+    data, _ = await router.metrics.scrape(router.ejection, router.pool, router.pump, 0.0)
     text = data.decode()
     for name in ("wakeups", "pauses", "reads"):
         assert f"# TYPE llmgw_router_relay_{name}_total counter" in text

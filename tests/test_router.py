@@ -27,9 +27,11 @@ import openai
 import pytest
 import trio
 
-from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_score
 from router.config import RouterConfig
 from router.framing import ChunkedScanner, parse_response_head
+from router.policies import Candidate, PolicyRequest, prompt_prefix
+from router.policies.prefix_hash import PrefixHash, prefix_digest, rendezvous_score
+from router.retry import Ejection
 from router.routes import ModelRoutes, Upstream, static_routes
 from router.server import Router
 from tests.support import apoll, free_port, poll
@@ -616,7 +618,7 @@ def prompt_ranked_first(first: str, other: str) -> str:
     """A prompt whose rendezvous ranking puts ``first`` ahead of ``other``."""
     for i in range(1000):
         text = f"prompt {i}"
-        digest = prefix_digest(affinity_key({"messages": [{"role": "user", "content": text}]}, 256))
+        digest = prefix_digest(prompt_prefix({"messages": [{"role": "user", "content": text}]}, 256))
         if rendezvous_score(digest, first) > rendezvous_score(digest, other):
             return text
     raise AssertionError("no prompt ranks the URL first")
@@ -971,59 +973,84 @@ def test_static_routes_names_replicas_and_refuses_bad_urls() -> None:
 # The pure parts
 
 
+def choose(
+    ejection: Ejection, policy: PrefixHash, upstreams: list[Upstream], prompt: str, now: float
+) -> Upstream:
+    """As the router picks a replica: the candidates the ejection records leave, then the policy."""
+    choice = policy.choose(PolicyRequest(MODEL, prompt), ejection.candidates(upstreams, now))
+    return choice.upstream
+
+
 def test_ejection_is_consecutive_exponential_and_cleared_by_success() -> None:
-    b = Balancer(eject_after=3, eject_base=10.0, eject_max=25.0)
+    e = Ejection(eject_after=3, eject_base=10.0, eject_max=25.0)
+    p = PrefixHash()
     up = Upstream("r0", "http://a:1")
     other = Upstream("r1", "http://b:1")
-    assert b.failed(up, 0.0, "refused") is None
-    assert b.failed(up, 0.0, "refused") is None
-    assert b.failed(up, 0.0, "refused") == 10.0
-    assert b.choose([up, other], None, 5.0) == other
-    assert b.failed(up, 5.0, "in flight when ejected") is None  # does not count again
+    assert e.failed(up, 0.0, "refused") is None
+    assert e.failed(up, 0.0, "refused") is None
+    assert e.failed(up, 0.0, "refused") == 10.0
+    assert choose(e, p, [up, other], "", 5.0) == other
+    assert e.failed(up, 5.0, "in flight when ejected") is None  # does not count again
     # Back after 10 s; on probation, one failure ejects it for twice as long, capped at eject_max.
-    assert b.choose([up], None, 10.0) == up
-    assert b.failed(up, 10.0, "refused") == 20.0
-    assert b.failed(up, 30.0, "refused") == 25.0
+    assert choose(e, p, [up], "", 10.0) == up
+    assert e.failed(up, 10.0, "refused") == 20.0
+    assert e.failed(up, 30.0, "refused") == 25.0
     # Every upstream ejected: they are tried anyway.
-    b.failed(other, 30.0, "x")
-    b.failed(other, 30.0, "x")
-    b.failed(other, 30.0, "x")
-    assert b.choose([up, other], None, 31.0) in (up, other)
-    b.succeeded(up)
-    assert b.failed(up, 60.0, "refused") is None  # the record was cleared: three failures again
+    e.failed(other, 30.0, "x")
+    e.failed(other, 30.0, "x")
+    e.failed(other, 30.0, "x")
+    assert choose(e, p, [up, other], "", 31.0) in (up, other)
+    assert [c.upstream for c in e.candidates([up, other], 31.0, exclude=[up.url])] == [other]
+    assert e.candidates([up, other], 31.0, exclude=[up.url, other.url]) == []
+    e.succeeded(up)
+    assert e.failed(up, 60.0, "refused") is None  # the record was cleared: three failures again
 
 
 def test_affinity_prefers_its_replica_until_it_is_busier_than_the_slack() -> None:
     ups = [Upstream(f"r{i}", f"http://h{i}:1") for i in range(4)]
-    b = Balancer(affinity_slack=2)
-    digest = prefix_digest("shared system prompt")
-    preferred = b.choose(ups, digest, 0.0)
-    assert preferred is not None
-    assert all(b.choose(ups, digest, 0.0) == preferred for _ in range(5))  # idle: always the same
+    e = Ejection()
+    p = PrefixHash(slack=2)
+    prompt = "shared system prompt"
+    preferred = choose(e, p, ups, prompt, 0.0)
+    assert all(choose(e, p, ups, prompt, 0.0) == preferred for _ in range(5))  # idle: always the same
     for _ in range(2):
-        b.begin(preferred)
-    assert b.choose(ups, digest, 0.0) == preferred  # 2 <= 0 + slack
-    b.begin(preferred)
-    assert b.choose(ups, digest, 0.0) != preferred  # 3 > 0 + slack: spill to a less loaded one
+        e.begin(preferred)
+    assert choose(e, p, ups, prompt, 0.0) == preferred  # 2 <= 0 + slack
+    e.begin(preferred)
+    assert choose(e, p, ups, prompt, 0.0) != preferred  # 3 > 0 + slack: spill to a less loaded one
     # Without a prompt: least outstanding.
     for u in ups[1:]:
-        b.begin(u)
-    b.end(preferred)
-    b.end(preferred)
-    b.end(preferred)
-    assert b.choose(ups, None, 0.0) == preferred
+        e.begin(u)
+    e.end(preferred)
+    e.end(preferred)
+    e.end(preferred)
+    assert choose(e, p, ups, "", 0.0) == preferred
 
 
-def test_affinity_key_reads_messages_prompt_and_input() -> None:
+def test_a_choice_names_its_policy_rule_and_inputs() -> None:
+    """Every decision can be explained: which rule of which policy chose, from what."""
+    a, b = Upstream("r0", "http://a:1"), Upstream("r1", "http://b:1")
+    p = PrefixHash(slack=4)
+    only = p.choose(PolicyRequest(MODEL, "x"), [Candidate(a, 7)])
+    assert (only.upstream, only.policy, only.rule) == (a, "prefix_hash", "only")
+    by_prefix = p.choose(PolicyRequest(MODEL, "x"), [Candidate(a, 1), Candidate(b, 0)])
+    assert by_prefix.rule == "prefix" and dict(by_prefix.inputs)["least"] == 0
+    assert dict(by_prefix.inputs)["slack"] == 4 and dict(by_prefix.inputs)["load"] in (0, 1)
+    assert by_prefix.explain().startswith("prefix_hash: prefix (rank=")
+    least = p.choose(PolicyRequest(MODEL, ""), [Candidate(a, 3), Candidate(b, 1)])
+    assert (least.upstream, least.rule, dict(least.inputs)) == (b, "least_loaded", {"load": 1, "tied": 1})
+
+
+def test_prompt_prefix_reads_messages_prompt_and_input() -> None:
     chat = {"messages": [{"role": "system", "content": "S" * 300}, {"role": "user", "content": "q"}]}
-    assert affinity_key(chat, 256) == "system\x00" + "S" * 249
+    assert prompt_prefix(chat, 256) == "system\x00" + "S" * 249
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
-    assert affinity_key(parts, 256) == "user\x00hello"
-    assert affinity_key({"prompt": "abc"}, 2) == "ab"
-    assert affinity_key({"prompt": ["first", "second"]}, 256) == "first"
-    assert affinity_key({"prompt": [1, 2, 3]}, 256) == "1 2 3"
-    assert affinity_key({"input": "embed me"}, 256) == "embed me"
-    assert affinity_key({"model": "m"}, 256) == ""
+    assert prompt_prefix(parts, 256) == "user\x00hello"
+    assert prompt_prefix({"prompt": "abc"}, 2) == "ab"
+    assert prompt_prefix({"prompt": ["first", "second"]}, 256) == "first"
+    assert prompt_prefix({"prompt": [1, 2, 3]}, 256) == "1 2 3"
+    assert prompt_prefix({"input": "embed me"}, 256) == "embed me"
+    assert prompt_prefix({"model": "m"}, 256) == ""
 
 
 def test_chunked_scanner_finds_the_end_at_any_split() -> None:
@@ -1113,29 +1140,29 @@ async def test_a_bug_after_the_client_left_is_raised_not_counted_as_a_499() -> N
     from types import SimpleNamespace
     from typing import cast
 
+    from router.exchange import ClientLeft, Exchange
     from router.http1 import ClientConn, Request
-    from router.server import _ClientGone, _Exchange
 
     class Buggy(Router):
-        async def _forward(self, ex: object, routes: object, digest: object) -> None:
+        async def _forward(self, ex: object, routes: object, request: object) -> None:
             raise KeyError("a bug")
 
     class Hangs(Router):
-        async def _forward(self, ex: object, routes: object, digest: object) -> None:
+        async def _forward(self, ex: object, routes: object, request: object) -> None:
             raise BrokenPipeError("the client's socket")
 
     table = {MODEL: ModelRoutes((Upstream("r0", "http://127.0.0.1:9"),))}
     body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
 
-    def exchange() -> _Exchange:
+    def exchange() -> Exchange:
         client = cast(ClientConn, SimpleNamespace(eof=True, fd=-1))
-        return _Exchange(client, Request(b"POST", b"/v1/chat/completions", [], body, True, True), 0.0)
+        return Exchange(client, Request(b"POST", b"/v1/chat/completions", [], body, True, True), 0.0)
 
-    buggy = Buggy(routes_of(table))
+    buggy = Buggy(routes_of(table), RouterConfig())
     with pytest.raises(KeyError):
         await buggy._proxy(exchange())
     assert (MODEL, "499") not in buggy.metrics.requests and not buggy.metrics.disconnects
-    hangs = Hangs(routes_of(table))
-    with pytest.raises(_ClientGone):
+    hangs = Hangs(routes_of(table), RouterConfig())
+    with pytest.raises(ClientLeft):
         await hangs._proxy(exchange())
     assert hangs.metrics.requests[(MODEL, "499")] == 1 and hangs.metrics.disconnects[MODEL] == 1

@@ -183,8 +183,8 @@ def test_the_router_takes_every_setting_from_the_config() -> None:
     )
     r = Router(lambda: {}, c)
     assert r.api_keys == (b"k",) and r.metrics_key == b"mk" * 8
-    assert (r.affinity_chars, r.balancer.affinity_slack, r.max_attempts) == (64, 1, 2)
-    assert (r.balancer.eject_after, r.balancer.eject_base, r.balancer.eject_max) == (5, 1.0, 2.0)
+    assert (r.affinity_chars, r.policy.slack, r.max_attempts) == (64, 1, 2)
+    assert (r.ejection.eject_after, r.ejection.eject_base, r.ejection.eject_max) == (5, 1.0, 2.0)
     assert (r.pool.connect_timeout, r.pool.max_idle, r.pool.idle_timeout) == (0.5, 8, 2.0)
     assert (r.response_timeout, r.stream_idle_timeout, r.max_body_bytes) == (7.0, 3.0, 1000)
     assert r.client_limits == c.client_limits

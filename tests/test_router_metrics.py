@@ -207,14 +207,14 @@ def version_of_router() -> str:
 async def test_a_counter_past_a_million_keeps_every_digit() -> None:
     """The hand-written exposition printed 1234567 as 1.23457e+06 (``:g``), which flattens
     ``rate()``; prometheus_client's keeps every digit."""
-    from router.balancer import Balancer
     from router.pool import Pool
+    from router.retry import Ejection
 
     m = Metrics("test")
     m.requests[(MODEL, "200")] = 1_234_567
     m.prompt_tokens[MODEL] = 98_765_432_101
     pool = Pool(max_idle=1, idle_timeout=1.0, connect_timeout=1.0)
-    data, content_type = await m.scrape(Balancer(), pool, relay.PythonRelayPump(), 0.0)
+    data, content_type = await m.scrape(Ejection(), pool, relay.PythonRelayPump(), 0.0)
     text = data.decode()
     assert content_type.startswith("text/plain") and "1.23457e+06" not in text
     got = samples(text)

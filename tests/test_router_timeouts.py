@@ -30,8 +30,10 @@ import pytest
 import trio
 
 import control.config
-from router.balancer import Balancer, affinity_key, prefix_digest, rendezvous_score
 from router.config import FieldProblem, RouterConfig
+from router.policies import prompt_prefix
+from router.policies.prefix_hash import prefix_digest, rendezvous_score
+from router.retry import Ejection
 from router.routes import ModelRoutes, Upstream
 from router.server import Router
 from router.stalls import DEFAULT_RESPONSE_TIMEOUT, stall, tcp_progress
@@ -118,7 +120,7 @@ def prompt_preferring(url: str, other: str) -> str:
     but for its ejection."""
     for i in range(1000):
         text = f"question {i}"
-        key = affinity_key({"messages": [{"role": "user", "content": text}]}, 256)
+        key = prompt_prefix({"messages": [{"role": "user", "content": text}]}, 256)
         if rendezvous_score(prefix_digest(key), url) > rendezvous_score(prefix_digest(key), other):
             return text
     raise AssertionError("no prompt ranks the stand-in first")
@@ -359,7 +361,7 @@ def test_stall_verdicts() -> None:
 
 
 def test_a_timeout_ejects_at_once() -> None:
-    b = Balancer(eject_after=3, eject_base=10.0)
+    b = Ejection(eject_after=3, eject_base=10.0)
     up = Upstream("r0", "http://10.0.0.1:8000")
     assert b.failed(up, 0.0, "connection refused") is None  # one of three
     assert b.failed(up, 0.0, "sent nothing", at_once=True) == 10.0
