@@ -8,7 +8,7 @@ import socket
 
 import trio
 
-from router.routes import Target, parse_url
+from router.routes import EngineAddress, parse_url
 from router.upstream import UpstreamConn
 
 
@@ -21,12 +21,12 @@ class Pool:
         self.idle_timeout = idle_timeout
         self.connect_timeout = connect_timeout
         self.idle: dict[str, list[UpstreamConn]] = {}
-        self.targets: dict[str, Target] = {}
+        self.addresses: dict[str, EngineAddress] = {}
 
-    def target(self, url: str) -> Target:
-        t = self.targets.get(url)
+    def address(self, url: str) -> EngineAddress:
+        t = self.addresses.get(url)
         if t is None:
-            t = self.targets[url] = parse_url(url)
+            t = self.addresses[url] = parse_url(url)
         return t
 
     def take_idle(self, url: str, now: float) -> UpstreamConn | None:
@@ -39,7 +39,7 @@ class Pool:
         return None
 
     async def connect(self, url: str) -> UpstreamConn:
-        target = self.target(url)
+        target = self.address(url)
         with trio.fail_after(self.connect_timeout):
             infos = await trio.socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
             error: OSError | None = None
@@ -88,7 +88,7 @@ class Pool:
             else:
                 del self.idle[url]
                 if url not in live:
-                    self.targets.pop(url, None)
+                    self.addresses.pop(url, None)
 
     def close_all(self) -> None:
         for stack in self.idle.values():

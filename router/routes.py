@@ -56,7 +56,7 @@ def static_routes(endpoints: Sequence[tuple[str, str]]) -> RoutesFn:
 
 
 @attrs.frozen
-class Target:
+class EngineAddress:
     """Where an upstream URL's requests go: address, Host header and path prefix."""
 
     host: str
@@ -65,7 +65,7 @@ class Target:
     base_path: bytes
 
 
-def parse_url(url: str) -> Target:
+def parse_url(url: str) -> EngineAddress:
     """``http://host:port[/prefix]``. Only plain HTTP: engines listen on the node's management
     address without TLS, and the relay writes to raw sockets."""
     parts = urlsplit(url)
@@ -79,4 +79,4 @@ def parse_url(url: str) -> Target:
     base = parts.path.rstrip("/")
     if base.endswith("/v1"):  # "http://host:8000/v1" is how clients are usually configured
         base = base[:-3]
-    return Target(parts.hostname, port, host_header.encode(), base.encode())
+    return EngineAddress(parts.hostname, port, host_header.encode(), base.encode())

@@ -609,7 +609,7 @@ class Router:
         conn: UpstreamConn | None = None
         try:
             try:
-                target = self.pool.target(upstream.url)
+                target = self.pool.address(upstream.url)
             except ValueError as exc:
                 return self._failed(upstream, UpstreamError("connect", str(exc)))
             request = request_bytes(

@@ -14,13 +14,15 @@ from router.framing import ResponseHead, UpstreamError, parse_response_head
 from router.http1 import Request
 from router.pumpconst import RECEIVE_SIZE
 from router.relay import EngineFailedEarly
-from router.routes import Target
+from router.routes import EngineAddress
 
 #: Request headers passed to the engine; the rest (the client's SDK telemetry, cookies) is noise there.
 FORWARDED_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"x-request-id", b"user-agent"})
 
 
-def request_bytes(request: Request, target: Target, api_key: str = "", *, pass_authorization: bool) -> bytes:
+def request_bytes(
+    request: Request, target: EngineAddress, api_key: str = "", *, pass_authorization: bool
+) -> bytes:
     """The request head and body for the engine. An engine with a key of its own (``api_key``)
     gets that key and never the client's (the client's is for the router's ``api_keys``); one
     without gets the client's ``Authorization`` only with ``pass_authorization`` (a router that
