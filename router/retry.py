@@ -17,7 +17,7 @@ two model names must count its load once.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import attrs
 
@@ -64,15 +64,24 @@ class Ejection:
         return h is not None and h.ejected_until > now
 
     def candidates(
-        self, upstreams: Sequence[Upstream], now: float, exclude: Iterable[str] = ()
+        self, upstreams: Sequence[Upstream], now: float, exclude: Collection[str] = ()
     ) -> list[Candidate]:
         """The upstreams a policy may choose from for the next attempt, with their loads: those
         not ``exclude``d (tried already) and not ejected, or every one not excluded when all of
-        them are ejected. Empty when every upstream was tried."""
-        skip = set(exclude)
-        left = [u for u in upstreams if u.url not in skip]
-        healthy = [u for u in left if not self.is_ejected(u.url, now)]
-        return [Candidate(u, self.outstanding(u.url)) for u in healthy or left]
+        them are ejected. Empty when every upstream was tried. (One pass: this is on every
+        request's path.)"""
+        health = self.health
+        left: list[Candidate] = []
+        healthy: list[Candidate] = []
+        for u in upstreams:
+            if u.url in exclude:
+                continue
+            h = health.get(u.url)
+            c = Candidate(u, h.outstanding if h is not None else 0)
+            left.append(c)
+            if h is None or h.ejected_until <= now:
+                healthy.append(c)
+        return healthy or left
 
     def begin(self, upstream: Upstream) -> None:
         self._get(upstream).outstanding += 1

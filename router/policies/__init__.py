@@ -14,24 +14,21 @@ slack over the least loaded; the default).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
-
-import attrs
+from typing import Any, NamedTuple, Protocol
 
 from router.routes import Upstream
 
 
-@attrs.frozen
-class Candidate:
+class Candidate(NamedTuple):
     """A replica a policy may choose, with its load: the requests this router has outstanding on
-    its engine (one engine serving two model names counts its load once)."""
+    its engine (one engine serving two model names counts its load once). A named tuple, as the
+    two classes below: they are made per request, and a tuple is the cheapest value to make."""
 
     upstream: Upstream
     load: int
 
 
-@attrs.frozen
-class PolicyRequest:
+class PolicyRequest(NamedTuple):
     """What a policy may read of a request: its model, and the start of its prompt as the engine
     will see it (``prompt_prefix``; chat messages with their roles, or ``prompt``, or ``input``),
     which is what an engine's prefix cache can reuse."""
@@ -40,8 +37,7 @@ class PolicyRequest:
     prompt: str
 
 
-@attrs.frozen
-class Choice:
+class Choice(NamedTuple):
     """A policy's decision: the replica, the policy's name, the rule that decided (a word such
     as ``prefix`` or ``least_loaded``) and the inputs it used, as (name, value) pairs."""
 

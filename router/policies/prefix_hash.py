@@ -42,14 +42,14 @@ class PrefixHash:
     def choose(self, request: PolicyRequest, candidates: Sequence[Candidate]) -> Choice:
         if len(candidates) == 1:
             return Choice(candidates[0].upstream, self.name, "only")
-        low = min(c.load for c in candidates)
+        low = min([c.load for c in candidates])
         if request.prompt:
             digest = prefix_digest(request.prompt)
             ranked = sorted(candidates, key=lambda c: rendezvous_score(digest, c.upstream.url), reverse=True)
-            for rank, c in enumerate(ranked, 1):
-                if c.load <= low + self.slack:
-                    inputs = (("rank", rank), ("load", c.load), ("least", low), ("slack", self.slack))
-                    return Choice(c.upstream, self.name, "prefix", inputs)
+            for rank, (upstream, load) in enumerate(ranked, 1):
+                if load <= low + self.slack:
+                    inputs = (("rank", rank), ("load", load), ("least", low), ("slack", self.slack))
+                    return Choice(upstream, self.name, "prefix", inputs)
         least = [c for c in candidates if c.load == low]
         pick = least[0] if len(least) == 1 else self._rng.choice(least)
         return Choice(pick.upstream, self.name, "least_loaded", (("load", low), ("tied", len(least))))
