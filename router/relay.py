@@ -1,4 +1,6 @@
-"""The router's streaming pump: one trio task that moves SSE chunks from engines to clients.
+"""The relay of an engine's response to its client: ``Relay`` (at the end: the whole response
+by the pump, or from a head the router read), and the streaming pump it hands bodies to, one
+trio task that moves SSE chunks from engines to clients.
 
 Why one task for all streams. A streamed response costs the router one wake-up per token for as
 long as it lasts, and on a busy router that wake-up is most of its CPU. With one task per stream,
