@@ -202,7 +202,7 @@ async def test_the_default_response_timeout_on_trios_clock(
     process on trio's clock, which jumps to the next deadline whenever every task waits (bytes sent
     on loopback are already in the peer's queue by then, so no wait for one is skipped)."""
     silent = await stand_in(nursery, None)
-    router = Router(lambda: {MODEL: ModelRoutes((Upstream("sim-model-r0", silent.url),))})
+    router = Router(lambda: {MODEL: ModelRoutes((Upstream("sim-model-r0", silent.url),))}, RouterConfig())
     assert router.response_timeout == DEFAULT_RESPONSE_TIMEOUT
     base = await serve(nursery, router)
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello?"}]}).encode()
