@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,6 +66,21 @@ async def apoll(what: str, check: Callable[[], T | None], timeout: float = DEFAU
     deadline = trio.current_time() + timeout
     while True:
         result = check()
+        if result:
+            return result
+        if trio.current_time() > deadline:
+            raise AssertionError(f"gave up after {timeout:g} s waiting for {what}")
+        await trio.sleep(ASYNC_INTERVAL)  # poll interval; the deadline above bounds the wait
+
+
+async def apoll_await(
+    what: str, check: Callable[[], Awaitable[T | None]], timeout: float = DEFAULT_TIMEOUT
+) -> T:
+    """``apoll`` for a check that must itself await (a request to a server under test), every
+    ``ASYNC_INTERVAL`` after the previous check ended."""
+    deadline = trio.current_time() + timeout
+    while True:
+        result = await check()
         if result:
             return result
         if trio.current_time() > deadline:

@@ -1,0 +1,514 @@
+"""A Trio-native etcd v3 client over etcd's JSON gateway (``/v3/...`` on the client port), with httpx.
+
+``connect(EtcdConfig(...))`` gives an ``EtcdClient`` for the life of an ``async with``. The client
+sticks to one endpoint and moves to the next when a connection to it fails; it authenticates with a
+user and password when given them and authenticates again when etcd says the token has expired; every
+request is bounded by ``request_timeout``.
+
+Failover never repeats a write whose outcome is unknown: a put or txn whose connection broke (or that
+timed out) after it was sent may have been applied, and sending it again is not the same as sending it
+once (a second put makes a second revision; a txn's comparison may now fail because the first one
+won). Such a write raises ``EtcdUnavailable`` with ``outcome_unknown`` set; reads, lease renewals and
+revocations are retried on the next endpoint.
+
+Why the JSON gateway and not gRPC: see docs/etcd.md.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from control.etcd import wire
+from control.etcd.errors import (
+    EtcdAuthError,
+    EtcdCompacted,
+    EtcdError,
+    EtcdLeaseLost,
+    EtcdProtocolError,
+    EtcdRequestError,
+    EtcdUnavailable,
+)
+from control.etcd.lease import LeaseKeeper
+from control.etcd.values import (
+    Compare,
+    Delete,
+    DeleteResult,
+    KeyValue,
+    Lease,
+    Operation,
+    Put,
+    PutResult,
+    Range,
+    RangeResult,
+    Status,
+    Txn,
+    TxnResult,
+    prefix_end,
+)
+from control.etcd.watch import Watch
+
+#: The most bytes one answer (a range, a txn) may have: etcd's own default limit on a request is
+#: 1.5 MiB, but a range over a large prefix answers with all of it.
+MAX_ANSWER_BYTES = 256 * 1024 * 1024
+
+# gRPC status codes etcd's gateway puts in an error's ``code``.
+_NOT_FOUND = 5
+_PERMISSION_DENIED = 7
+_OUT_OF_RANGE = 11
+_UNAVAILABLE = 14
+_UNAUTHENTICATED = 16
+
+_AUTH_PATH = "/v3/auth/authenticate"
+
+
+def _check_endpoint(endpoint: str) -> str:
+    if not endpoint.startswith(("http://", "https://")) or "/" in endpoint.split("://", 1)[1].rstrip("/"):
+        raise ValueError(f"etcd endpoint {endpoint!r}: want http://HOST:PORT or https://HOST:PORT (no path)")
+    return endpoint.rstrip("/")
+
+
+def _check_endpoints(endpoints: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(endpoints, str):
+        raise TypeError(f"etcd endpoints: want a list of URLs, got the string {endpoints!r}")
+    checked = tuple(_check_endpoint(e) for e in endpoints)
+    if not checked:
+        raise ValueError("etcd endpoints: none given (want at least one http://HOST:PORT)")
+    return checked
+
+
+@attrs.frozen
+class EtcdConfig:
+    """Where etcd is and how to talk to it.
+
+    ``ca`` verifies the servers' certificates (the system's trust store when not given); ``cert`` and
+    ``key`` are the client certificate for a cluster that wants one (``--client-cert-auth``). ``user``
+    and ``password`` authenticate when etcd has auth enabled."""
+
+    endpoints: tuple[str, ...] = attrs.field(converter=_check_endpoints)
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
+    #: The longest one request (connect, send, answer) may take on one endpoint.
+    request_timeout: float = 5.0
+    #: The longest a connection to one endpoint may take before the next one is tried.
+    connect_timeout: float = 2.0
+
+    def __attrs_post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("etcd TLS: cert and key go together (one was given without the other)")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("etcd auth: user and password go together (one was given without the other)")
+        if self.request_timeout <= 0 or self.connect_timeout <= 0:
+            raise ValueError("etcd request_timeout and connect_timeout must be positive")
+
+
+def _ssl_context(config: EtcdConfig) -> ssl.SSLContext:
+    """Reads the CA and the client certificate (blocking: called in a worker thread)."""
+    try:
+        context = ssl.create_default_context(cafile=str(config.ca) if config.ca else None)
+        if config.cert is not None and config.key is not None:
+            context.load_cert_chain(str(config.cert), str(config.key))
+    except (OSError, ssl.SSLError) as exc:
+        raise EtcdError(
+            f"etcd TLS: cannot load ca={config.ca} cert={config.cert} key={config.key}: {exc}"
+        ) from exc
+    return context
+
+
+@asynccontextmanager
+async def connect(config: EtcdConfig) -> AsyncIterator[EtcdClient]:
+    """An ``EtcdClient`` for ``config``, authenticated if it has a user; its connections are closed at
+    the end of the ``async with``. Nothing is sent before the first request (or authentication)."""
+    verify: ssl.SSLContext | bool = True
+    if any(e.startswith("https://") for e in config.endpoints):
+        verify = await trio.to_thread.run_sync(_ssl_context, config)
+    timeout = httpx.Timeout(config.request_timeout, connect=config.connect_timeout)
+    async with httpx.AsyncClient(verify=verify, timeout=timeout, trust_env=False) as http:
+        client = EtcdClient(config, http)
+        if config.user is not None:
+            await client.authenticate()
+        yield client
+
+
+class EtcdClient:
+    """etcd's KV, lease, watch and maintenance calls. Made by ``connect``; safe to use from many tasks
+    at once."""
+
+    def __init__(self, config: EtcdConfig, http: httpx.AsyncClient) -> None:
+        self.config = config
+        self.http = http
+        self._current = 0
+        self._token: str | None = None
+        self._auth_lock = trio.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint requests go to first (the last one that answered)."""
+        return self.config.endpoints[self._current]
+
+    # -- the one request path -------------------------------------------------------------------------
+
+    async def request(
+        self, path: str, body: Mapping[str, Any], *, operation: str, key: bytes = b"", idempotent: bool
+    ) -> dict[str, Any]:
+        """POST ``body`` to ``path`` and return etcd's answer, trying each endpoint in turn (from the
+        last that answered) while connections fail. ``idempotent`` allows a retry after the request
+        may have been sent; a write that is not raises ``EtcdUnavailable(outcome_unknown=True)``
+        instead. Refusals raise ``EtcdRequestError`` (or a subclass)."""
+        what = f"etcd {operation}" + (f" of {key!r}" if key else "")
+        endpoints = self.config.endpoints
+        failures: list[str] = []
+        reauthenticated = False
+        attempt = 0
+        while attempt < len(endpoints):
+            index = (self._current + attempt) % len(endpoints)
+            endpoint = endpoints[index]
+            try:
+                with trio.fail_after(self.config.request_timeout):
+                    response = await self.http.post(endpoint + path, json=body, headers=self._headers(path))
+                    raw = response.content
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                failures.append(f"{endpoint}: cannot connect ({exc or type(exc).__name__})")
+                attempt += 1
+                continue
+            except (trio.TooSlowError, httpx.TransportError) as exc:
+                why = (
+                    f"no answer within {self.config.request_timeout:g} s"
+                    if isinstance(exc, trio.TooSlowError)
+                    else f"connection lost ({exc or type(exc).__name__})"
+                )
+                failures.append(f"{endpoint}: {why}")
+                if not idempotent:
+                    raise EtcdUnavailable(
+                        f"{what}: {endpoint}: {why}; it may or may not have been applied (read it back)",
+                        outcome_unknown=True,
+                    ) from exc
+                attempt += 1
+                continue
+            self._current = index
+            doc = self._parse(raw, endpoint, what)
+            if response.status_code == 200 and "error" not in doc:
+                return doc
+            code, message = self._error(doc, response.status_code)
+            if (
+                code == _UNAUTHENTICATED
+                and path != _AUTH_PATH
+                and self.config.user is not None
+                and not reauthenticated
+            ):
+                # The token expired (simple tokens lapse after --auth-token-ttl unused): once more with a
+                # fresh one, on the same endpoint.
+                reauthenticated = True
+                await self.authenticate()
+                continue
+            if code == _UNAVAILABLE:
+                failures.append(f"{endpoint}: {message}")
+                if not idempotent:
+                    raise EtcdUnavailable(
+                        f"{what}: {endpoint}: {message}; it may or may not have been applied (read it back)",
+                        outcome_unknown=True,
+                    )
+                attempt += 1
+                continue
+            raise self._refusal(what, endpoint, operation, code, message)
+        raise EtcdUnavailable(f"{what}: no etcd endpoint answered: " + "; ".join(failures))
+
+    def _headers(self, path: str) -> dict[str, str]:
+        if self._token is None or path == _AUTH_PATH:
+            return {}
+        return {"Authorization": self._token}
+
+    @staticmethod
+    def _parse(raw: bytes, endpoint: str, what: str) -> dict[str, Any]:
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise EtcdProtocolError(
+                f"{what}: {endpoint} answered {len(raw)} bytes (at most {MAX_ANSWER_BYTES})"
+            )
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise EtcdProtocolError(
+                f"{what}: {endpoint} answered something that is not JSON: {raw[:200]!r}"
+            ) from None
+        if not isinstance(doc, dict):
+            raise EtcdProtocolError(f"{what}: {endpoint} answered JSON that is not an object: {raw[:200]!r}")
+        return doc
+
+    @staticmethod
+    def _error(doc: Mapping[str, Any], status: int) -> tuple[int, str]:
+        error = doc.get("error")
+        if isinstance(error, Mapping):  # inside a stream, the gateway nests it: {"error": {...}}
+            doc = error
+        code = doc.get("code")
+        message = doc.get("message") or doc.get("error") or f"HTTP {status}"
+        return (code if isinstance(code, int) else -1), str(message)
+
+    @staticmethod
+    def _refusal(what: str, endpoint: str, operation: str, code: int, message: str) -> EtcdRequestError:
+        text = f"{what}: {endpoint} refused: {message}"
+        if "user name is empty" in message:
+            # etcd's words for a request without a token to a cluster with auth enabled.
+            text += " (etcd has authentication enabled: configure a user and password)"
+            return EtcdAuthError(text, code=code, endpoint=endpoint, operation=operation)
+        if code == _PERMISSION_DENIED or "authentication failed" in message or code == _UNAUTHENTICATED:
+            return EtcdAuthError(text, code=code, endpoint=endpoint, operation=operation)
+        if code == _OUT_OF_RANGE and "compacted" in message:
+            return _CompactedRefusal(text, code=code, endpoint=endpoint, operation=operation)
+        return EtcdRequestError(text, code=code, endpoint=endpoint, operation=operation)
+
+    async def authenticate(self) -> None:
+        """Get a token for the configured user (coalesced: tasks that find the token expired at once
+        authenticate once)."""
+        if self.config.user is None or self.config.password is None:
+            raise EtcdAuthError(
+                "etcd: authentication needs a user and password (none configured)",
+                code=_UNAUTHENTICATED,
+                endpoint=self.endpoint,
+                operation="authenticate",
+            )
+        token = self._token
+        async with self._auth_lock:
+            if self._token is not token and self._token is not None:
+                return  # another task got a fresh one while this one waited
+            try:
+                doc = await self.request(
+                    _AUTH_PATH,
+                    {"name": self.config.user, "password": self.config.password},
+                    operation=f"authenticate as {self.config.user!r}",
+                    idempotent=True,
+                )
+            except EtcdRequestError as exc:
+                raise EtcdAuthError(
+                    str(exc), code=exc.code, endpoint=exc.endpoint, operation=exc.operation
+                ) from exc
+            token = doc.get("token")
+            if not isinstance(token, str) or not token:
+                raise EtcdProtocolError(
+                    f"etcd authenticate as {self.config.user!r}: {self.endpoint} gave no token"
+                )
+            self._token = token
+
+    # -- KV ---------------------------------------------------------------------------------------------
+
+    async def range(self, r: Range) -> RangeResult:
+        """Read a key or a range (``Range``); a revision already compacted raises ``EtcdCompacted``."""
+        try:
+            doc = await self.request(
+                "/v3/kv/range", wire.encode_range(r), operation="range", key=r.key, idempotent=True
+            )
+        except _CompactedRefusal as exc:
+            raise EtcdCompacted(f"{exc} (asked for revision {r.revision})", compact_revision=0) from exc
+        return wire.decode_range(doc)
+
+    async def get(self, key: bytes, *, revision: int = 0) -> KeyValue | None:
+        """``key``'s key-value, or None when it does not exist."""
+        result = await self.range(Range(key, revision=revision))
+        return result.kvs[0] if result.kvs else None
+
+    async def get_prefix(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult:
+        """Every key under ``prefix`` (in key order) at one revision, and that revision
+        (``result.header.revision``): the place a watch of the prefix resumes from."""
+        return await self.range(Range.prefix(prefix, revision=revision, limit=limit))
+
+    async def put(self, key: bytes, value: bytes, *, lease: int = 0, prev_kv: bool = False) -> PutResult:
+        doc = await self.request(
+            "/v3/kv/put",
+            wire.encode_put(Put(key, value, lease, prev_kv)),
+            operation="put",
+            key=key,
+            idempotent=False,
+        )
+        return wire.decode_put(doc)
+
+    async def delete(self, key: bytes, *, prev_kv: bool = False) -> DeleteResult:
+        doc = await self.request(
+            "/v3/kv/deleterange",
+            wire.encode_delete(Delete(key, prev_kv=prev_kv)),
+            operation="delete",
+            key=key,
+            idempotent=False,
+        )
+        return wire.decode_delete(doc)
+
+    async def delete_prefix(self, prefix: bytes, *, prev_kv: bool = False) -> DeleteResult:
+        doc = await self.request(
+            "/v3/kv/deleterange",
+            wire.encode_delete(Delete.prefix(prefix, prev_kv=prev_kv)),
+            operation="delete prefix",
+            key=prefix,
+            idempotent=False,
+        )
+        return wire.decode_delete(doc)
+
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[Operation] = (), failure: Sequence[Operation] = ()
+    ) -> TxnResult:
+        """If every comparison holds, apply ``success``, else ``failure``, atomically; ``succeeded``
+        says which ran. E.g. a write fenced by leadership::
+
+            await client.txn([Compare.value(LEADER, "==", me)], [Put(key, value)])
+        """
+        t = Txn(tuple(compare), tuple(success), tuple(failure))
+        key = (
+            compare[0].key
+            if compare
+            else (success[0].key if success and not isinstance(success[0], Txn) else b"")
+        )
+        doc = await self.request("/v3/kv/txn", wire.encode_txn(t), operation="txn", key=key, idempotent=False)
+        return wire.decode_txn(doc)
+
+    async def compact(self, revision: int, *, physical: bool = False) -> None:
+        """Drop the history before ``revision`` (watches and reads at older revisions then fail with
+        ``EtcdCompacted``)."""
+        await self.request(
+            "/v3/kv/compaction",
+            {"revision": str(revision), "physical": physical},
+            operation=f"compact to {revision}",
+            idempotent=True,
+        )
+
+    # -- leases ----------------------------------------------------------------------------------------
+
+    async def grant(self, ttl: int) -> Lease:
+        """A new lease of ``ttl`` seconds (etcd may grant more: its minimum is its election timeout)."""
+        if ttl <= 0:
+            raise ValueError(f"etcd lease TTL must be a positive number of seconds, got {ttl}")
+        doc = await self.request(
+            "/v3/lease/grant", {"TTL": str(ttl)}, operation=f"lease grant (TTL {ttl} s)", idempotent=False
+        )
+        lease = wire.decode_lease(doc)
+        if lease.ttl <= 0:
+            raise EtcdProtocolError(
+                f"etcd lease grant: {self.endpoint} granted lease {lease.id:x} with TTL {lease.ttl}"
+            )
+        return lease
+
+    async def keepalive_once(self, lease_id: int) -> Lease:
+        """Renew the lease once and return its new TTL; ``EtcdLeaseLost`` if it no longer exists."""
+        doc = await self.request(
+            "/v3/lease/keepalive",
+            {"ID": str(lease_id)},
+            operation=f"lease keepalive of {lease_id:x}",
+            idempotent=True,
+        )
+        result = doc.get("result")
+        if not isinstance(result, Mapping):
+            raise EtcdProtocolError(
+                f"etcd lease keepalive of {lease_id:x}: {self.endpoint} answered without a result: {doc!r}"
+            )
+        lease = wire.decode_lease(result, "lease keepalive")
+        if lease.ttl <= 0:
+            raise EtcdLeaseLost(
+                f"etcd lease {lease_id:x} has expired or was revoked ({self.endpoint} does not know it)"
+            )
+        return lease
+
+    async def revoke(self, lease_id: int) -> None:
+        """End the lease now, deleting every key attached to it. Revoking a lease that has already
+        gone is not an error (the keys are gone either way)."""
+        try:
+            await self.request(
+                "/v3/lease/revoke",
+                {"ID": str(lease_id)},
+                operation=f"lease revoke of {lease_id:x}",
+                idempotent=True,
+            )
+        except EtcdRequestError as exc:
+            if exc.code != _NOT_FOUND:
+                raise
+
+    async def keeper(self, ttl: int) -> LeaseKeeper:
+        """Grant a lease of ``ttl`` seconds and return its keeper; run ``keeper.run`` in a nursery to
+        keep it alive."""
+        granted_at = trio.current_time()
+        lease = await self.grant(ttl)
+        return LeaseKeeper(self, lease, granted_at)
+
+    # -- watch -----------------------------------------------------------------------------------------
+
+    def watch(
+        self,
+        key: bytes,
+        *,
+        range_end: bytes = b"",
+        start_revision: int = 0,
+        idle_timeout: float = 30.0,
+        reconnect_timeout: float = 60.0,
+    ) -> Watch:
+        """Watch ``key`` (or ``key`` to ``range_end``) from ``start_revision`` (0: changes after now).
+        Use as ``async with client.watch(...) as w: async for batch in w``; the watch reconnects and
+        resumes after a broken connection (see ``Watch``)."""
+        return Watch(
+            self,
+            key,
+            range_end,
+            start_revision,
+            idle_timeout=idle_timeout,
+            reconnect_timeout=reconnect_timeout,
+        )
+
+    def watch_prefix(
+        self,
+        prefix: bytes,
+        *,
+        start_revision: int = 0,
+        idle_timeout: float = 30.0,
+        reconnect_timeout: float = 60.0,
+    ) -> Watch:
+        """Every change under ``prefix``: pass ``get_prefix``'s ``header.revision + 1`` as
+        ``start_revision`` to see each change after that read, none missed and none twice."""
+        return self.watch(
+            prefix,
+            range_end=prefix_end(prefix),
+            start_revision=start_revision,
+            idle_timeout=idle_timeout,
+            reconnect_timeout=reconnect_timeout,
+        )
+
+    # -- maintenance -----------------------------------------------------------------------------------
+
+    async def status(self) -> Status:
+        """The status of the member requests go to (failing over like any read)."""
+        doc = await self.request("/v3/maintenance/status", {}, operation="status", idempotent=True)
+        return wire.decode_status(doc, self.endpoint)
+
+    async def statuses(self) -> tuple[Status | str, ...]:
+        """Each endpoint's status, or why it gave none, asked of each directly (for a health view):
+        one per endpoint, in the configured order."""
+        results: list[Status | str] = ["no answer"] * len(self.config.endpoints)
+
+        async def ask(i: int, endpoint: str) -> None:
+            try:
+                with trio.fail_after(self.config.request_timeout):
+                    response = await self.http.post(
+                        endpoint + "/v3/maintenance/status", json={}, headers=self._headers("")
+                    )
+                doc = self._parse(response.content, endpoint, "etcd status")
+                if response.status_code != 200 or "error" in doc:
+                    results[i] = self._error(doc, response.status_code)[1]
+                else:
+                    results[i] = wire.decode_status(doc, endpoint)
+            except trio.TooSlowError:
+                results[i] = f"no answer within {self.config.request_timeout:g} s"
+            except (httpx.TransportError, EtcdProtocolError) as exc:
+                results[i] = str(exc) or type(exc).__name__
+
+        async with trio.open_nursery() as nursery:
+            for i, endpoint in enumerate(self.config.endpoints):
+                nursery.start_soon(ask, i, endpoint)
+        return tuple(results)
+
+
+class _CompactedRefusal(EtcdRequestError):
+    """etcd's "required revision has been compacted", turned into ``EtcdCompacted`` by its caller."""
