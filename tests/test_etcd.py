@@ -328,9 +328,10 @@ async def test_failover_skips_an_endpoint_that_refuses_connections(etcd: Member)
         assert isinstance(statuses[0], str) and "connect" in statuses[0].lower()
         assert not isinstance(statuses[1], str) and statuses[1].version.startswith("3.")
         assert (await client.status()).leader == statuses[1].header.member_id
-    async with connect(config(dead, request_timeout=1.0)) as client:
+    async with connect(config(dead, request_timeout=1.0, retry_timeout=0.5)) as client:
         with pytest.raises(
-            EtcdUnavailable, match=rf"etcd put of b'/f/k': no etcd endpoint answered: {dead}: cannot connect"
+            EtcdUnavailable,
+            match=rf"etcd put of b'/f/k': no etcd endpoint answered within 0.5 s: {dead}: cannot connect",
         ):
             await client.put(b"/f/k", b"v")
 

@@ -103,14 +103,20 @@ class EtcdConfig:
     request_timeout: float = 5.0
     #: The longest a connection to one endpoint may take before the next one is tried.
     connect_timeout: float = 2.0
+    #: How long a request goes on trying every endpoint in turn while none answers (an election
+    #: takes about a second; a member restarted, a few): the longest wait is this plus one
+    #: ``request_timeout``.
+    retry_timeout: float = 5.0
 
     def __attrs_post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise ValueError("etcd TLS: cert and key go together (one was given without the other)")
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd auth: user and password go together (one was given without the other)")
-        if self.request_timeout <= 0 or self.connect_timeout <= 0:
-            raise ValueError("etcd request_timeout and connect_timeout must be positive")
+        if self.request_timeout <= 0 or self.connect_timeout <= 0 or self.retry_timeout < 0:
+            raise ValueError(
+                "etcd request_timeout and connect_timeout must be positive, retry_timeout 0 or more"
+            )
 
 
 def _ssl_context(config: EtcdConfig) -> ssl.SSLContext:
@@ -162,67 +168,80 @@ class EtcdClient:
     async def request(
         self, path: str, body: Mapping[str, Any], *, operation: str, key: bytes = b"", idempotent: bool
     ) -> dict[str, Any]:
-        """POST ``body`` to ``path`` and return etcd's answer, trying each endpoint in turn (from the
-        last that answered) while connections fail. ``idempotent`` allows a retry after the request
-        may have been sent; a write that is not raises ``EtcdUnavailable(outcome_unknown=True)``
-        instead. Refusals raise ``EtcdRequestError`` (or a subclass)."""
+        """POST ``body`` to ``path`` and return etcd's answer.
+
+        Endpoints are tried in turn from the last that answered, in rounds with a growing pause,
+        until ``retry_timeout``: while connections fail and while members answer "unavailable" (an
+        election under way, a member without a leader). A request that may have been sent is tried
+        again only when ``idempotent``; a write that is not raises ``EtcdUnavailable`` with
+        ``outcome_unknown`` instead. Refusals raise ``EtcdRequestError`` (or a subclass)."""
         what = f"etcd {operation}" + (f" of {key!r}" if key else "")
         endpoints = self.config.endpoints
-        failures: list[str] = []
+        deadline = trio.current_time() + self.config.retry_timeout
+        pause = 0.05
         reauthenticated = False
-        attempt = 0
-        while attempt < len(endpoints):
-            index = (self._current + attempt) % len(endpoints)
-            endpoint = endpoints[index]
-            try:
-                with trio.fail_after(self.config.request_timeout):
-                    response = await self.http.post(endpoint + path, json=body, headers=self._headers(path))
-                    raw = response.content
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                failures.append(f"{endpoint}: cannot connect ({exc or type(exc).__name__})")
-                attempt += 1
-                continue
-            except (trio.TooSlowError, httpx.TransportError) as exc:
-                why = (
-                    f"no answer within {self.config.request_timeout:g} s"
-                    if isinstance(exc, trio.TooSlowError)
-                    else f"connection lost ({exc or type(exc).__name__})"
+        while True:
+            failures: list[str] = []
+            start = self._current
+            for index in [(start + i) % len(endpoints) for i in range(len(endpoints))]:
+                endpoint = endpoints[index]
+                while True:
+                    try:
+                        with trio.fail_after(self.config.request_timeout):
+                            response = await self.http.post(
+                                endpoint + path, json=body, headers=self._headers(path)
+                            )
+                            raw = response.content
+                    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                        failures.append(f"{endpoint}: cannot connect ({exc or type(exc).__name__})")
+                        break
+                    except (trio.TooSlowError, httpx.TransportError) as exc:
+                        why = (
+                            f"no answer within {self.config.request_timeout:g} s"
+                            if isinstance(exc, trio.TooSlowError)
+                            else f"connection lost ({exc or type(exc).__name__})"
+                        )
+                        if not idempotent:
+                            raise EtcdUnavailable(
+                                f"{what}: {endpoint}: {why}; it may or may not have been applied (read it back)",
+                                outcome_unknown=True,
+                            ) from exc
+                        failures.append(f"{endpoint}: {why}")
+                        break
+                    self._current = index
+                    doc = self._parse(raw, endpoint, what)
+                    if response.status_code == 200 and "error" not in doc:
+                        return doc
+                    code, message = self._error(doc, response.status_code)
+                    if (
+                        code == _UNAUTHENTICATED
+                        and path != _AUTH_PATH
+                        and self.config.user is not None
+                        and not reauthenticated
+                    ):
+                        # The token expired (simple tokens lapse after --auth-token-ttl unused): once
+                        # more with a fresh one, on the same endpoint.
+                        reauthenticated = True
+                        await self.authenticate()
+                        continue
+                    if code != _UNAVAILABLE:
+                        raise self._refusal(what, endpoint, operation, code, message)
+                    # "no leader" is said before anything is proposed; "leader changed" or "request
+                    # timed out" after, when the write may yet be applied.
+                    if not idempotent and "no leader" not in message:
+                        raise EtcdUnavailable(
+                            f"{what}: {endpoint}: {message}; it may or may not have been applied (read it back)",
+                            outcome_unknown=True,
+                        )
+                    failures.append(f"{endpoint}: {message}")
+                    break
+            if trio.current_time() + pause > deadline:
+                raise EtcdUnavailable(
+                    f"{what}: no etcd endpoint answered within {self.config.retry_timeout:g} s: "
+                    + "; ".join(failures)
                 )
-                failures.append(f"{endpoint}: {why}")
-                if not idempotent:
-                    raise EtcdUnavailable(
-                        f"{what}: {endpoint}: {why}; it may or may not have been applied (read it back)",
-                        outcome_unknown=True,
-                    ) from exc
-                attempt += 1
-                continue
-            self._current = index
-            doc = self._parse(raw, endpoint, what)
-            if response.status_code == 200 and "error" not in doc:
-                return doc
-            code, message = self._error(doc, response.status_code)
-            if (
-                code == _UNAUTHENTICATED
-                and path != _AUTH_PATH
-                and self.config.user is not None
-                and not reauthenticated
-            ):
-                # The token expired (simple tokens lapse after --auth-token-ttl unused): once more with a
-                # fresh one, on the same endpoint.
-                reauthenticated = True
-                await self.authenticate()
-                continue
-            if code == _UNAVAILABLE:
-                failures.append(f"{endpoint}: {message}")
-                if not idempotent:
-                    raise EtcdUnavailable(
-                        f"{what}: {endpoint}: {message}; it may or may not have been applied (read it back)",
-                        outcome_unknown=True,
-                    )
-                attempt += 1
-                continue
-            raise self._refusal(what, endpoint, operation, code, message)
-        raise EtcdUnavailable(f"{what}: no etcd endpoint answered: " + "; ".join(failures))
+            await trio.sleep(pause)  # between rounds of every endpoint; the deadline above bounds it
+            pause = min(pause * 2, 0.5)
 
     def _headers(self, path: str) -> dict[str, str]:
         if self._token is None or path == _AUTH_PATH:
