@@ -172,6 +172,7 @@ async def test_keeper_keeps_the_key_past_its_ttl_and_revoke_ends_it(etcd: Member
         assert trio.current_time() - start > 2
         assert await client.get(b"/llmgw/leader") is not None
         assert keeper.valid() and keeper.valid_until > trio.current_time()
+        assert not keeper.valid(margin=2.1)  # renewed at most 2 s ahead (its TTL)
         nursery.cancel_scope.cancel()
         await keeper.revoke()
         assert keeper.lost.is_set()

@@ -38,9 +38,10 @@ class LeaseKeeper:
     def id(self) -> int:
         return self.lease.id
 
-    def valid(self) -> bool:
-        """Whether the lease is surely still ours now."""
-        return not self.lost.is_set() and trio.current_time() < self.valid_until
+    def valid(self, margin: float = 0.0) -> bool:
+        """Whether the lease is surely still ours ``margin`` seconds from now: a leader asks this
+        before each command with a margin for the time the command takes to be acted on."""
+        return not self.lost.is_set() and trio.current_time() + margin < self.valid_until
 
     def _lose(self, reason: str) -> NoReturn:
         self.lost_reason = reason
