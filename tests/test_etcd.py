@@ -52,6 +52,8 @@ def test_config_names_what_is_wrong() -> None:
         config()
     with pytest.raises(ValueError, match="cert and key go together"):
         config("https://127.0.0.1:2379", cert=Path("c.pem"))
+    with pytest.raises(ValueError, match="no endpoint is https://"):
+        config("http://127.0.0.1:2379", ca=Path("ca.pem"))
     with pytest.raises(ValueError, match="user and password go together"):
         config("http://127.0.0.1:2379", user="root")
     assert "secret" not in repr(config("http://127.0.0.1:2379", user="u", password="secret"))

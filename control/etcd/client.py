@@ -29,13 +29,16 @@ import trio
 
 from control.etcd import wire
 from control.etcd.errors import (
+    NOT_FOUND,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
     EtcdAuthError,
-    EtcdCompacted,
     EtcdError,
     EtcdLeaseLost,
     EtcdProtocolError,
     EtcdRequestError,
     EtcdUnavailable,
+    refusal,
 )
 from control.etcd.lease import LeaseKeeper
 from control.etcd.values import (
@@ -59,13 +62,6 @@ from control.etcd.watch import Watch
 #: The most bytes one answer (a range, a txn) may have: etcd's own default limit on a request is
 #: 1.5 MiB, but a range over a large prefix answers with all of it.
 MAX_ANSWER_BYTES = 256 * 1024 * 1024
-
-# gRPC status codes etcd's gateway puts in an error's ``code``.
-_NOT_FOUND = 5
-_PERMISSION_DENIED = 7
-_OUT_OF_RANGE = 11
-_UNAVAILABLE = 14
-_UNAUTHENTICATED = 16
 
 _AUTH_PATH = "/v3/auth/authenticate"
 
@@ -113,6 +109,8 @@ class EtcdConfig:
             raise ValueError("etcd TLS: cert and key go together (one was given without the other)")
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd auth: user and password go together (one was given without the other)")
+        if (self.ca or self.cert) and not any(e.startswith("https://") for e in self.endpoints):
+            raise ValueError("etcd TLS: ca, cert and key are given but no endpoint is https://")
         if self.request_timeout <= 0 or self.connect_timeout <= 0 or self.retry_timeout < 0:
             raise ValueError(
                 "etcd request_timeout and connect_timeout must be positive, retry_timeout 0 or more"
@@ -188,10 +186,7 @@ class EtcdClient:
                 while True:
                     try:
                         with trio.fail_after(self.config.request_timeout):
-                            response = await self.http.post(
-                                endpoint + path, json=body, headers=self._headers(path)
-                            )
-                            raw = response.content
+                            status, raw = await self._post(endpoint, path, body)
                     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                         failures.append(f"{endpoint}: cannot connect ({exc or type(exc).__name__})")
                         break
@@ -210,11 +205,11 @@ class EtcdClient:
                         break
                     self._current = index
                     doc = self._parse(raw, endpoint, what)
-                    if response.status_code == 200 and "error" not in doc:
+                    if status == 200 and "error" not in doc:
                         return doc
-                    code, message = self._error(doc, response.status_code)
+                    code, message = wire.error_of(doc, status)
                     if (
-                        code == _UNAUTHENTICATED
+                        code == UNAUTHENTICATED
                         and path != _AUTH_PATH
                         and self.config.user is not None
                         and not reauthenticated
@@ -224,8 +219,8 @@ class EtcdClient:
                         reauthenticated = True
                         await self.authenticate()
                         continue
-                    if code != _UNAVAILABLE:
-                        raise self._refusal(what, endpoint, operation, code, message)
+                    if code != UNAVAILABLE:
+                        raise refusal(what, endpoint, operation, code, message)
                     # "no leader" is said before anything is proposed; "leader changed" or "request
                     # timed out" after, when the write may yet be applied.
                     if not idempotent and "no leader" not in message:
@@ -243,17 +238,27 @@ class EtcdClient:
             await trio.sleep(pause)  # between rounds of every endpoint; the deadline above bounds it
             pause = min(pause * 2, 0.5)
 
-    def _headers(self, path: str) -> dict[str, str]:
-        if self._token is None or path == _AUTH_PATH:
-            return {}
-        return {"Authorization": self._token}
+    def auth_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header with the current token (none before authentication)."""
+        return {} if self._token is None else {"Authorization": self._token}
+
+    def advance(self) -> None:
+        """Send requests to the next endpoint from now on (a watch whose stream broke here)."""
+        self._current = (self._current + 1) % len(self.config.endpoints)
+
+    async def _post(self, endpoint: str, path: str, body: Mapping[str, Any]) -> tuple[int, bytes]:
+        """One POST, its answer read up to ``MAX_ANSWER_BYTES``."""
+        headers = {} if path == _AUTH_PATH else self.auth_headers()
+        async with self.http.stream("POST", endpoint + path, json=body, headers=headers) as response:
+            raw = bytearray()
+            async for chunk in response.aiter_raw():
+                raw += chunk
+                if len(raw) > MAX_ANSWER_BYTES:
+                    raise EtcdProtocolError(f"{endpoint}{path} answered over {MAX_ANSWER_BYTES} bytes")
+            return response.status_code, bytes(raw)
 
     @staticmethod
     def _parse(raw: bytes, endpoint: str, what: str) -> dict[str, Any]:
-        if len(raw) > MAX_ANSWER_BYTES:
-            raise EtcdProtocolError(
-                f"{what}: {endpoint} answered {len(raw)} bytes (at most {MAX_ANSWER_BYTES})"
-            )
         try:
             doc = json.loads(raw)
         except ValueError:
@@ -264,35 +269,13 @@ class EtcdClient:
             raise EtcdProtocolError(f"{what}: {endpoint} answered JSON that is not an object: {raw[:200]!r}")
         return doc
 
-    @staticmethod
-    def _error(doc: Mapping[str, Any], status: int) -> tuple[int, str]:
-        error = doc.get("error")
-        if isinstance(error, Mapping):  # inside a stream, the gateway nests it: {"error": {...}}
-            doc = error
-        code = doc.get("code")
-        message = doc.get("message") or doc.get("error") or f"HTTP {status}"
-        return (code if isinstance(code, int) else -1), str(message)
-
-    @staticmethod
-    def _refusal(what: str, endpoint: str, operation: str, code: int, message: str) -> EtcdRequestError:
-        text = f"{what}: {endpoint} refused: {message}"
-        if "user name is empty" in message:
-            # etcd's words for a request without a token to a cluster with auth enabled.
-            text += " (etcd has authentication enabled: configure a user and password)"
-            return EtcdAuthError(text, code=code, endpoint=endpoint, operation=operation)
-        if code == _PERMISSION_DENIED or "authentication failed" in message or code == _UNAUTHENTICATED:
-            return EtcdAuthError(text, code=code, endpoint=endpoint, operation=operation)
-        if code == _OUT_OF_RANGE and "compacted" in message:
-            return _CompactedRefusal(text, code=code, endpoint=endpoint, operation=operation)
-        return EtcdRequestError(text, code=code, endpoint=endpoint, operation=operation)
-
     async def authenticate(self) -> None:
         """Get a token for the configured user (coalesced: tasks that find the token expired at once
         authenticate once)."""
         if self.config.user is None or self.config.password is None:
             raise EtcdAuthError(
                 "etcd: authentication needs a user and password (none configured)",
-                code=_UNAUTHENTICATED,
+                code=UNAUTHENTICATED,
                 endpoint=self.endpoint,
                 operation="authenticate",
             )
@@ -322,12 +305,9 @@ class EtcdClient:
 
     async def range(self, r: Range) -> RangeResult:
         """Read a key or a range (``Range``); a revision already compacted raises ``EtcdCompacted``."""
-        try:
-            doc = await self.request(
-                "/v3/kv/range", wire.encode_range(r), operation="range", key=r.key, idempotent=True
-            )
-        except _CompactedRefusal as exc:
-            raise EtcdCompacted(f"{exc} (asked for revision {r.revision})", compact_revision=0) from exc
+        doc = await self.request(
+            "/v3/kv/range", wire.encode_range(r), operation="range", key=r.key, idempotent=True
+        )
         return wire.decode_range(doc)
 
     async def get(self, key: bytes, *, revision: int = 0) -> KeyValue | None:
@@ -444,7 +424,7 @@ class EtcdClient:
                 idempotent=True,
             )
         except EtcdRequestError as exc:
-            if exc.code != _NOT_FOUND:
+            if exc.code != NOT_FOUND:
                 raise
 
     async def keeper(self, ttl: int) -> LeaseKeeper:
@@ -510,12 +490,10 @@ class EtcdClient:
         async def ask(i: int, endpoint: str) -> None:
             try:
                 with trio.fail_after(self.config.request_timeout):
-                    response = await self.http.post(
-                        endpoint + "/v3/maintenance/status", json={}, headers=self._headers("")
-                    )
-                doc = self._parse(response.content, endpoint, "etcd status")
-                if response.status_code != 200 or "error" in doc:
-                    results[i] = self._error(doc, response.status_code)[1]
+                    status, raw = await self._post(endpoint, "/v3/maintenance/status", {})
+                doc = self._parse(raw, endpoint, "etcd status")
+                if status != 200 or "error" in doc:
+                    results[i] = wire.error_of(doc, status)[1]
                 else:
                     results[i] = wire.decode_status(doc, endpoint)
             except trio.TooSlowError:
@@ -527,7 +505,3 @@ class EtcdClient:
             for i, endpoint in enumerate(self.config.endpoints):
                 nursery.start_soon(ask, i, endpoint)
         return tuple(results)
-
-
-class _CompactedRefusal(EtcdRequestError):
-    """etcd's "required revision has been compacted", turned into ``EtcdCompacted`` by its caller."""

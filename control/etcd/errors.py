@@ -6,6 +6,13 @@ one, so a log line alone tells an operator where to look.
 
 from __future__ import annotations
 
+# gRPC status codes etcd's gateway puts in an error's ``code``.
+NOT_FOUND = 5
+PERMISSION_DENIED = 7
+OUT_OF_RANGE = 11
+UNAVAILABLE = 14
+UNAUTHENTICATED = 16
+
 
 class EtcdError(Exception):
     """Anything the etcd client could not do."""
@@ -41,7 +48,7 @@ class EtcdAuthError(EtcdRequestError):
 class EtcdCompacted(EtcdError):
     """A watch or a range asked for a revision etcd has already compacted away: the changes in
     between are gone, so the caller must read the whole prefix again (``compact_revision`` is the
-    oldest revision still available)."""
+    oldest revision still available, as a watch is told; 0 for a range, which is not)."""
 
     def __init__(self, message: str, *, compact_revision: int) -> None:
         super().__init__(message)
@@ -56,3 +63,17 @@ class EtcdLeaseLost(EtcdError):
 class EtcdProtocolError(EtcdError):
     """etcd's answer was not what its JSON gateway sends (a field of the wrong type, a line too long):
     a proxy in between, or a different server on that port."""
+
+
+def refusal(what: str, endpoint: str, operation: str, code: int, message: str) -> EtcdError:
+    """The exception for etcd's refusal of ``what`` (its gRPC ``code`` and ``message``)."""
+    text = f"{what}: {endpoint} refused: {message}"
+    if "user name is empty" in message:
+        # etcd's words for a request without a token to a cluster with auth enabled.
+        text += " (etcd has authentication enabled: configure a user and password)"
+        return EtcdAuthError(text, code=code, endpoint=endpoint, operation=operation)
+    if code in (PERMISSION_DENIED, UNAUTHENTICATED) or "authentication failed" in message:
+        return EtcdAuthError(text, code=code, endpoint=endpoint, operation=operation)
+    if code == OUT_OF_RANGE and "compacted" in message:
+        return EtcdCompacted(text, compact_revision=0)
+    return EtcdRequestError(text, code=code, endpoint=endpoint, operation=operation)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import trio
 
-from control.etcd.errors import EtcdError, EtcdLeaseLost, EtcdUnavailable
+from control.etcd.errors import EtcdError, EtcdLeaseLost
 from control.etcd.values import Lease
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class LeaseKeeper:
                     self._lose(str(exc))
                 except trio.TooSlowError:
                     continue  # valid_until has passed: lost, above
-                except (EtcdUnavailable, EtcdError) as exc:
+                except EtcdError as exc:  # unavailable, or refused: tried again until valid_until
                     last_error = str(exc)
                     # Try again soon, but not in a tight loop against a cluster without quorum.
                     await trio.sleep(min(interval / 4, max(self.valid_until - trio.current_time(), 0)))

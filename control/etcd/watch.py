@@ -21,11 +21,15 @@ import trio
 
 from control.etcd import wire
 from control.etcd.errors import (
+    PERMISSION_DENIED,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
     EtcdAuthError,
     EtcdCompacted,
     EtcdProtocolError,
     EtcdRequestError,
     EtcdUnavailable,
+    refusal,
 )
 from control.etcd.values import WatchBatch
 
@@ -36,8 +40,6 @@ if TYPE_CHECKING:
 
 #: The longest line (one watch response) the stream may carry.
 MAX_LINE_BYTES = 128 * 1024 * 1024
-
-_UNAUTHENTICATED = 16
 
 
 class _Broken(Exception):
@@ -146,7 +148,10 @@ class Watch:
                     except (_Broken, trio.TooSlowError, httpx.TransportError) as exc:
                         failures.append(f"{endpoint}: {exc or type(exc).__name__}")
                         await self.aclose()
-                        self.client._current = (self.client._current + 1) % len(self.client.config.endpoints)
+                        self.client.advance()
+                    except BaseException:
+                        await self.aclose()  # a refusal, or cancelled: no stream left open
+                        raise
                 await trio.sleep(pause)  # between rounds of every endpoint; the deadline above bounds it
                 pause = min(pause * 2, 1.0)
         last = "; ".join(failures[-len(self.client.config.endpoints) :])
@@ -160,7 +165,7 @@ class Watch:
             "POST",
             endpoint + "/v3/watch",
             json=body,
-            headers=self.client._headers("/v3/watch"),
+            headers=self.client.auth_headers(),
             timeout=httpx.Timeout(
                 self.client.config.request_timeout, connect=self.client.config.connect_timeout, read=None
             ),
@@ -217,14 +222,13 @@ class Watch:
             self._buffer += chunk
 
     def _refused(self, doc: Mapping[str, Any], status: int) -> None:
-        code, message = self.client._error(doc, status)
-        if code == _UNAUTHENTICATED and self.client.config.user is not None and not self._reauthenticated:
+        code, message = wire.error_of(doc, status)
+        if code == UNAUTHENTICATED and self.client.config.user is not None and not self._reauthenticated:
             self._reauthenticated = True
             raise _TokenExpired(f"token refused: {message}")
-        if code == 14 or status in (502, 503, 504):
+        if code == UNAVAILABLE or status in (502, 503, 504):
             raise _Broken(message)
-        error = self.client._refusal(self.what, self.endpoint, "watch", code, message)
-        raise error
+        raise refusal(self.what, self.endpoint, "watch", code, message)
 
     def _handle(self, doc: Mapping[str, Any]) -> WatchBatch | None:
         """One response of the stream: a batch to deliver, or None (created, progress)."""
@@ -247,7 +251,7 @@ class Watch:
             if "permission denied" in reason:
                 raise EtcdAuthError(
                     f"{self.what}: {self.endpoint} refused: {reason}",
-                    code=7,
+                    code=PERMISSION_DENIED,
                     endpoint=self.endpoint,
                     operation="watch",
                 )

@@ -175,6 +175,17 @@ def _list(doc: Mapping[str, Any], field: str, where: str) -> list[Mapping[str, A
     return raw
 
 
+def error_of(doc: Mapping[str, Any], status: int) -> tuple[int, str]:
+    """The gRPC code and message of an error answer (``{"error": "...", "code": 9, "message": "..."}``;
+    nested under ``error`` inside a stream), or -1 and the HTTP status when it has neither."""
+    error = doc.get("error")
+    if isinstance(error, Mapping):
+        doc = error
+    code = doc.get("code")
+    message = doc.get("message") or doc.get("error") or f"HTTP {status}"
+    return (code if isinstance(code, int) and not isinstance(code, bool) else -1), str(message)
+
+
 def decode_header(doc: Mapping[str, Any], where: str) -> ResponseHeader:
     h = _obj(doc, "header", where)
     where = f"{where} header"
