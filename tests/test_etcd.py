@@ -18,12 +18,14 @@ from control.etcd import (
     EtcdCompacted,
     EtcdConfig,
     EtcdLeaseLost,
+    EtcdProtocolError,
     EtcdUnavailable,
     Put,
     Range,
     WatchBatch,
     connect,
     prefix_end,
+    wire,
 )
 from control.etcd.values import PutResult, RangeResult
 from tests.etcdproc import Member, Tls
@@ -57,6 +59,32 @@ def test_config_names_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="user and password go together"):
         config("http://127.0.0.1:2379", user="root")
     assert "secret" not in repr(config("http://127.0.0.1:2379", user="u", password="secret"))
+
+
+def test_answers_that_are_not_the_gateways_are_named() -> None:
+    """A field of the wrong type is refused with the field and where it was, not taken as empty."""
+    header = {"header": {"revision": "7"}}
+    assert wire.decode_range(header).header.revision == 7  # fields left out are their zero values
+    assert wire.decode_range(header).kvs == ()
+    cases = [
+        ({"header": {"revision": "seven"}}, r"range header: revision is not an integer: 'seven'"),
+        ({**header, "kvs": {"key": "a2V5"}}, r"range: kvs is not a list of objects"),
+        ({**header, "kvs": [{"key": "not base64!"}]}, r"range kv: key is not base64: 'not base64!'"),
+        ({**header, "kvs": [{"key": "a2V5", "version": True}]}, r"range kv: version is not an integer: True"),
+        ({**header, "more": "yes"}, r"range: more is not a boolean: 'yes'"),
+    ]
+    for doc, message in cases:
+        with pytest.raises(EtcdProtocolError, match=message):
+            wire.decode_range(doc)
+    with pytest.raises(EtcdProtocolError, match="a response with none of the four kinds"):
+        wire.decode_txn({**header, "responses": [{"response_nothing": {}}]})
+    with pytest.raises(EtcdProtocolError, match="an event of unknown type 'EXPIRE'"):
+        wire.decode_events({"events": [{"type": "EXPIRE", "kv": {}}]})
+    assert wire.error_of({"error": {"code": 16, "message": "etcdserver: invalid auth token"}}, 200) == (
+        16,
+        "etcdserver: invalid auth token",
+    )
+    assert wire.error_of({}, 502) == (-1, "HTTP 502")
 
 
 # -- KV --------------------------------------------------------------------------------------------------
@@ -371,6 +399,24 @@ async def test_tls_with_client_certificates(tmp_path: Path) -> None:
         member.stop()
 
 
+async def _until_token_lapses(endpoint: str, token: str | None) -> None:
+    """Wait until etcd refuses ``token``. Each use of a simple token renews it, so this looks less and
+    less often until it has lapsed."""
+    async with httpx.AsyncClient() as raw:
+        gap = 0.25
+        with trio.fail_after(30):
+            while True:
+                answer = await raw.post(
+                    endpoint + "/v3/kv/range",
+                    json={"key": "L2xsbWd3L2s="},
+                    headers={"Authorization": str(token)},
+                )
+                if answer.status_code != 200 and "token" in json.loads(answer.content)["message"]:
+                    return
+                gap *= 2
+                await trio.sleep(gap)  # a growing gap, bounded by fail_after: see above
+
+
 async def test_auth_user_with_a_role_and_an_expiring_token(tmp_path: Path) -> None:
     member = Member(tmp_path, "etcd-auth", extra=["--auth-token-ttl=1"])
     member.start()
@@ -400,30 +446,16 @@ async def test_auth_user_with_a_role_and_an_expiring_token(tmp_path: Path) -> No
                 EtcdAuthError, match=r"etcd put of b'/other': .* refused: etcdserver: permission denied"
             ):
                 await client.put(b"/other", b"v")
-            token = client._token
             # Let the token lapse (--auth-token-ttl=1, unused): etcd refuses it, then the client
-            # authenticates again by itself.
-            async with httpx.AsyncClient() as raw:
-
-                async def refused() -> bool:
-                    answer = await raw.post(
-                        member.endpoint + "/v3/kv/range",
-                        json={"key": "L2xsbWd3L2s="},
-                        headers={"Authorization": str(token)},
-                    )
-                    return answer.status_code != 200 and "token" in json.loads(answer.content)["message"]
-
-                # Each use of a simple token renews it, so look less and less often until it lapses.
-                gap = 0.25
-                with trio.fail_after(30):
-                    while True:
-                        if await refused():
-                            break
-                        gap *= 2
-                        await trio.sleep(gap)  # a growing gap, bounded by fail_after: see above
+            # authenticates again by itself, for a request and for a watch's stream.
+            token = client._token
+            await _until_token_lapses(member.endpoint, token)
             kv = await client.get(b"/llmgw/k")
             assert kv is not None and kv.value == b"v" and client._token != token
+            token = client._token
+            await _until_token_lapses(member.endpoint, token)
             async with client.watch_prefix(b"/llmgw/") as watch:
+                assert client._token != token
                 await client.put(b"/llmgw/k", b"w")
                 with trio.fail_after(10):
                     assert [e.kv.value for e in (await watch.__anext__()).events] == [b"w"]

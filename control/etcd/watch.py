@@ -120,6 +120,11 @@ class Watch:
                 with trio.fail_after(self.idle_timeout):
                     doc = await self._next_doc()
                 batch = self._handle(doc)
+            except _TokenExpired:
+                await self.aclose()
+                await self.client.authenticate()
+                self.reconnects += 1
+                continue
             except (_Broken, trio.TooSlowError, httpx.TransportError):
                 await self.aclose()
                 self.reconnects += 1
@@ -248,6 +253,10 @@ class Watch:
                     compact_revision=int(compact),
                 )
             reason = str(result.get("cancel_reason") or "no reason given")
+            if "code = Unauthenticated" in reason or "invalid auth token" in reason:
+                # How etcd refuses a watch whose token has lapsed: the stream is opened, then the
+                # watch cancelled with the gRPC error as its reason.
+                self._refused({"code": UNAUTHENTICATED, "message": reason}, 200)
             if "permission denied" in reason:
                 raise EtcdAuthError(
                     f"{self.what}: {self.endpoint} refused: {reason}",
