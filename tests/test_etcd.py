@@ -3,6 +3,7 @@ watches, auth, TLS and failover between endpoints. The kill -9 cases are in test
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from control.etcd import (
     Compare,
@@ -20,6 +22,8 @@ from control.etcd import (
     EtcdLeaseLost,
     EtcdProtocolError,
     EtcdUnavailable,
+    Lease,
+    LeaseKeeper,
     Put,
     Range,
     WatchBatch,
@@ -467,3 +471,68 @@ async def test_auth_user_with_a_role_and_an_expiring_token(tmp_path: Path) -> No
                 await anonymous.get(b"/llmgw/k")
     finally:
         member.stop()
+
+
+# -- the keeper's timing, on trio's MockClock -------------------------------------------------------------
+
+
+class _ScriptedLeases:
+    """Stands in for ``EtcdClient.keepalive_once`` with what a test scripts: each renewal is recorded
+    at its (mock) time, then answered with the lease, refused as unavailable, or left hanging."""
+
+    def __init__(self, ttl: int) -> None:
+        self.ttl = ttl
+        self.mode = "answer"
+        self.calls: list[float] = []
+
+    async def keepalive_once(self, lease_id: int) -> Lease:
+        self.calls.append(trio.current_time())
+        if self.mode == "unavailable":
+            raise EtcdUnavailable("etcd lease keepalive: no etcd endpoint answered")
+        if self.mode == "hang":
+            await trio.sleep_forever()
+        return Lease(lease_id, self.ttl)
+
+
+async def test_keeper_renews_at_a_third_of_its_ttl_and_gives_up_at_its_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    leases = _ScriptedLeases(ttl=9)
+    keeper = LeaseKeeper(leases, Lease(0x1EA5E, 9), granted_at=trio.current_time())  # type: ignore[arg-type]
+    start = trio.current_time()
+    lost_at: list[float] = []
+
+    async def keep() -> None:
+        with pytest.raises(
+            EtcdLeaseLost, match=r"not renewed within its TTL of 9 s \(etcd lease keepalive: no etcd"
+        ):
+            await keeper.run()
+        lost_at.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep)
+        await apoll("three renewals", lambda: len(leases.calls) >= 3, timeout=60)
+        assert [round(t - start, 3) for t in leases.calls] == [3.0, 6.0, 9.0]
+        assert keeper.valid_until == pytest.approx(start + 18)
+        # etcd unreachable from now on: retried (a quarter of the interval apart), then lost at the
+        # deadline the last renewal earned, not before and not later.
+        leases.mode = "unavailable"
+        await apoll("the lease to be lost", lambda: keeper.lost.is_set(), timeout=60)
+    assert lost_at[0] == pytest.approx(start + 18, abs=0.01)
+    retries = [round(t - start, 3) for t in leases.calls[3:]]
+    assert retries[0] == 12.0 and all(b - a == pytest.approx(0.75) for a, b in itertools.pairwise(retries))
+    assert not keeper.valid()
+
+
+async def test_keeper_does_not_wait_past_its_deadline_for_a_renewal_that_hangs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    leases = _ScriptedLeases(ttl=6)
+    leases.mode = "hang"
+    start = trio.current_time()
+    keeper = LeaseKeeper(leases, Lease(7, 6), granted_at=start)  # type: ignore[arg-type]
+    with pytest.raises(EtcdLeaseLost, match="not renewed within its TTL of 6 s"):
+        await keeper.run()
+    assert trio.current_time() == pytest.approx(start + 6, abs=0.01)
+    assert leases.calls == [pytest.approx(start + 2)]
+    assert keeper.lost.is_set() and "not renewed" in keeper.lost_reason
