@@ -70,7 +70,7 @@ def test_answers_that_are_not_the_gateways_are_named() -> None:
     header = {"header": {"revision": "7"}}
     assert wire.decode_range(header).header.revision == 7  # fields left out are their zero values
     assert wire.decode_range(header).kvs == ()
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"header": {"revision": "seven"}}, r"range header: revision is not an integer: 'seven'"),
         ({**header, "kvs": {"key": "a2V5"}}, r"range: kvs is not a list of objects"),
         ({**header, "kvs": [{"key": "not base64!"}]}, r"range kv: key is not base64: 'not base64!'"),
