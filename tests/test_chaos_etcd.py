@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from control.etcd import EtcdConfig, EtcdLeaseLost, WatchBatch, connect
+from control.etcd import EtcdClient, EtcdConfig, EtcdLeaseLost, EtcdUnavailable, WatchBatch, connect
 from tests.etcdproc import Cluster, Member
 from tests.support import apoll
 
@@ -98,10 +98,7 @@ async def test_one_member_of_three_killed_requests_and_watch_carry_on(etcd_clust
             assert kv is not None and kv.value == b"20"
 
 
-async def _put_surely(client: object, key: bytes, value: bytes) -> None:
-    from control.etcd import EtcdClient, EtcdUnavailable
-
-    assert isinstance(client, EtcdClient)
+async def _put_surely(client: EtcdClient, key: bytes, value: bytes) -> None:
     with trio.fail_after(30):
         while True:
             try:
@@ -138,3 +135,39 @@ async def test_keeper_reports_its_lease_lost_by_its_deadline_when_etcd_is_gone(e
         assert lost_at[0] >= deadline_before_kill - 0.01
         assert lost_at[0] <= keeper.valid_until + 0.5
         print(f"lease reported lost {lost_at[0] - keeper.valid_until:+.3f} s from its deadline")
+
+
+async def test_quorum_lost_is_a_bounded_clear_error_and_its_return_needs_no_new_client(
+    etcd_cluster: Cluster,
+) -> None:
+    config = EtcdConfig(
+        endpoints=etcd_cluster.endpoints, request_timeout=2.0, connect_timeout=1.0, retry_timeout=2.0
+    )
+    async with connect(config) as client:
+        await client.put(b"/llmgw/k", b"before")
+        survivor, *lost = etcd_cluster.members
+        for member in lost:
+            member.kill()
+        for attempt in ("write", "read"):
+            start = trio.current_time()
+            with pytest.raises(EtcdUnavailable) as caught:
+                if attempt == "write":
+                    await client.put(b"/llmgw/k", b"during")
+                else:
+                    await client.get(b"/llmgw/k")
+            waited = trio.current_time() - start
+            # Bounded by retry_timeout + request_timeout (and a connect), naming what it met.
+            assert waited < config.retry_timeout + config.request_timeout + config.connect_timeout + 1
+            assert survivor.endpoint in str(caught.value) or caught.value.outcome_unknown
+            print(f"quorum lost: a {attempt} failed after {waited:.2f} s: {caught.value}")
+        for member in lost:
+            member.start()
+        for member in lost:
+            await trio.to_thread.run_sync(member.wait_healthy)
+        # The same client carries on once a quorum is back; the write that failed did not apply
+        # (or, if its outcome was unknown, reading tells).
+        kv = await client.get(b"/llmgw/k")
+        assert kv is not None and kv.value in (b"before", b"during")
+        await client.put(b"/llmgw/k", b"after")
+        kv = await client.get(b"/llmgw/k")
+        assert kv is not None and kv.value == b"after"
