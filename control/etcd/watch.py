@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
     from control.etcd.client import EtcdClient
 
+#: The longest closing a broken stream may take.
+CLOSE_TIMEOUT = 5.0
+
 #: The longest line (one watch response) the stream may carry.
 MAX_LINE_BYTES = 128 * 1024 * 1024
 
@@ -106,7 +109,9 @@ class Watch:
         self._chunks = self._response = None
         self._buffer.clear()
         self.endpoint = ""
-        with trio.CancelScope(shield=True):
+        # Shielded, so a cancelled watch still closes its connection; bounded, as every wait is
+        # (closing a socket does not wait on the peer, so this is never reached in practice).
+        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
             if chunks is not None:
                 await chunks.aclose()  # type: ignore[attr-defined]
             if response is not None:
