@@ -1,9 +1,10 @@
 """A Trio-native etcd v3 client over etcd's JSON gateway (``/v3/...`` on the client port), with httpx.
 
 ``connect(EtcdConfig(...))`` gives an ``EtcdClient`` for the life of an ``async with``. The client
-sticks to one endpoint and moves to the next when a connection to it fails; it authenticates with a
-user and password when given them and authenticates again when etcd says the token has expired; every
-request is bounded by ``request_timeout``.
+sticks to one endpoint and moves to the next when a connection to it fails or the member answers
+"unavailable", in rounds until ``retry_timeout`` (each attempt bounded by ``request_timeout``); it
+authenticates with a user and password when given them and again when etcd says the token has
+expired.
 
 Failover never repeats a write whose outcome is unknown: a put or txn whose connection broke (or that
 timed out) after it was sent may have been applied, and sending it again is not the same as sending it
@@ -134,9 +135,9 @@ def _ssl_context(config: EtcdConfig) -> ssl.SSLContext:
 async def connect(config: EtcdConfig) -> AsyncIterator[EtcdClient]:
     """An ``EtcdClient`` for ``config``, authenticated if it has a user; its connections are closed at
     the end of the ``async with``. Nothing is sent before the first request (or authentication)."""
-    verify: ssl.SSLContext | bool = True
-    if any(e.startswith("https://") for e in config.endpoints):
-        verify = await trio.to_thread.run_sync(_ssl_context, config)
+    # Made in a worker thread even for http:// endpoints: httpx would otherwise load its default
+    # trust store on the trio thread.
+    verify = await trio.to_thread.run_sync(_ssl_context, config)
     timeout = httpx.Timeout(config.request_timeout, connect=config.connect_timeout)
     async with httpx.AsyncClient(verify=verify, timeout=timeout, trust_env=False) as http:
         client = EtcdClient(config, http)
