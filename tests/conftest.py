@@ -10,6 +10,7 @@ import trio
 
 from control.transport import ServerLimits, StreamServer
 from router import relay
+from tests.etcdproc import etcd, etcd_cluster  # noqa: F401 (fixtures: a real etcd, three members)
 from tests.wirepeers import echo_handler
 
 

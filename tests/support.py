@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,6 +71,66 @@ async def apoll(what: str, check: Callable[[], T | None], timeout: float = DEFAU
         if trio.current_time() > deadline:
             raise AssertionError(f"gave up after {timeout:g} s waiting for {what}")
         await trio.sleep(ASYNC_INTERVAL)  # poll interval; the deadline above bounds the wait
+
+
+async def apoll_await(
+    what: str, check: Callable[[], Awaitable[T | None]], timeout: float = DEFAULT_TIMEOUT
+) -> T:
+    """``apoll`` for a check that must itself await (a request to a server under test), every
+    ``ASYNC_INTERVAL`` after the previous check ended."""
+    deadline = trio.current_time() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if trio.current_time() > deadline:
+            raise AssertionError(f"gave up after {timeout:g} s waiting for {what}")
+        await trio.sleep(ASYNC_INTERVAL)  # poll interval; the deadline above bounds the wait
+
+
+class BlackHoleProxy:
+    """A TCP relay on loopback to ``upstream_port`` that can be told to swallow everything, like a
+    path whose packets vanish (``black_hole``), or to cut every connection it relays (``cut``), like
+    a peer's host that went away. ``serve`` runs it and reports its port to ``nursery.start``."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.black_hole = False
+        #: How many connections it has relayed, and how many of them ``cut`` ended.
+        self.connections = 0
+        self.cuts = 0
+        self._scopes: set[trio.CancelScope] = set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, listeners)
+
+    def cut(self) -> None:
+        """End every connection relayed now (both sides see the socket closed); new ones are relayed."""
+        for scope in self._scopes:
+            scope.cancel()
+        self.cuts += len(self._scopes)
+
+    async def _pump(self, src: trio.abc.Stream, dst: trio.abc.Stream) -> None:
+        while data := await src.receive_some(65536):
+            if not self.black_hole:
+                await dst.send_all(data)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        self.connections += 1
+        with trio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                upstream = await trio.open_tcp_stream("127.0.0.1", self.upstream_port)
+                async with upstream, client, trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump, client, upstream)
+                    nursery.start_soon(self._pump, upstream, client)
+            except* (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the upstream refused or a side reset: the relay ends as the path would
+            finally:
+                self._scopes.discard(scope)
+        await client.aclose()
 
 
 # -- /proc ----------------------------------------------------------------------------------------------

@@ -26,26 +26,8 @@ from agent.transport import (
 from control.transport import ServerLimits, StreamServer
 from schema import framing
 from tests.rawh2 import split_frames
+from tests.support import BlackHoleProxy
 from tests.wirepeers import echo_handler, heartbeat
-
-
-class BlackHoleProxy:
-    """A TCP relay that can be told to swallow everything, like a path whose packets vanish."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.black_hole = False
-
-    async def _pump(self, src: trio.abc.Stream, dst: trio.abc.Stream) -> None:
-        while data := await src.receive_some(65536):
-            if not self.black_hole:
-                await dst.send_all(data)
-
-    async def _handle(self, client: trio.SocketStream) -> None:
-        upstream = await trio.open_tcp_stream("127.0.0.1", self.upstream_port)
-        async with upstream, client, trio.open_nursery() as nursery:
-            nursery.start_soon(self._pump, client, upstream)
-            nursery.start_soon(self._pump, upstream, client)
 
 
 @pytest.mark.chaos
@@ -54,8 +36,7 @@ async def test_black_holed_connection_is_detected_by_ping(
 ) -> None:
     _, port = echo_server
     proxy = BlackHoleProxy(port)
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, host="127.0.0.1"), proxy._handle, 0)
-    proxy_port = listeners[0].socket.getsockname()[1]
+    proxy_port = await nursery.start(proxy.serve)
     opts = StreamOptions(keepalive_interval=0.2, keepalive_timeout=0.5)
     async with open_stream(f"http://127.0.0.1:{proxy_port}", opts) as stream:
         await stream.send(heartbeat(1))
