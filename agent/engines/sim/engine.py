@@ -146,50 +146,57 @@ class EngineLoop:
         if self._tickets.pop(ticket.request.request_id, None) is not None and not ticket.done:
             self.scheduler.abort(ticket.request)
             self._flush_events()
+            # Freed blocks may let a waiting request in: wake a loop that found nothing to do.
+            self._wake.set()
 
     async def run(self) -> None:
-        """Step while there is work; sleep on an event while there is none."""
-        s = self.scheduler
+        """Step while there is work; sleep on an event while there is none. The replay socket,
+        if any, is served beside."""
         try:
-            while True:
-                if s.idle:
-                    self._wake = trio.Event()
-                    await self._wake.wait()
-                result = s.step()
-                self._flush_events()
-                if result.seconds > 0:
-                    await trio.sleep(result.seconds)
-                elif not result.sampled and not result.prefill_tokens:
-                    # Nothing could be scheduled (every block held by requests that cannot
-                    # proceed): wait for a release or a new request instead of spinning.
-                    self._wake = trio.Event()
-                    await self._wake.wait()
-                    continue
-                else:
-                    await trio.lowlevel.checkpoint()
-                now = trio.current_time()
-                for req in result.sampled:
-                    ticket = self._tickets.get(req.request_id)
-                    if ticket is None:
-                        continue  # aborted while its step ran
-                    if ticket.produced == 0:
-                        self.ttft.observe(now - ticket.arrived)
-                    else:
-                        self.itl.observe(now - ticket.last)
-                    ticket.last = now
-                    if req.finished:
-                        ticket.done = True
-                    ticket._deliver()
+            async with trio.open_nursery() as nursery:
+                if self.publisher is not None:
+                    nursery.start_soon(self.publisher.serve_replay)
+                await self._steps()
         finally:
             if self.publisher is not None:
                 self.publisher.close()
+
+    async def _steps(self) -> None:
+        s = self.scheduler
+        while True:
+            if s.idle:
+                self._wake = trio.Event()
+                await self._wake.wait()
+            result = s.step()
+            self._flush_events()
+            if result.seconds > 0:
+                await trio.sleep(result.seconds)
+            elif not result.sampled and not result.prefill_tokens:
+                # Nothing could be scheduled (every block held by requests that cannot
+                # proceed): wait for a release or a new request instead of spinning.
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            else:
+                await trio.lowlevel.checkpoint()
+            now = trio.current_time()
+            for req in result.sampled:
+                ticket = self._tickets.get(req.request_id)
+                if ticket is None:
+                    continue  # aborted while its step ran
+                if ticket.produced == 0:
+                    self.ttft.observe(now - ticket.arrived)
+                else:
+                    self.itl.observe(now - ticket.last)
+                ticket.last = now
+                if req.finished:
+                    ticket.done = True
+                ticket._deliver()
 
     def _flush_events(self) -> None:
         events = self.cache.take_events()
         if events and self.publisher is not None:
             self.publisher.publish(events)
-        if events and not self.scheduler.idle:
-            self._wake.set()
 
     def metrics(self, model: str) -> list[str]:
         """vLLM v1's scheduler and cache metrics, labelled as vLLM labels them."""

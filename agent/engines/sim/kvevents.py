@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import trio
@@ -83,7 +83,9 @@ def _event(event: KVEvent, arrays: bool) -> Any:
 def encode_batch(ts: float, events: Sequence[KVEvent], vllm_version: str, dp_rank: int = 0) -> bytes:
     """One ``KVEventBatch`` payload as the imitated vLLM version's msgspec encoder writes it."""
     arrays = array_like(vllm_version)
-    return msgpack.packb([ts, [_event(e, arrays) for e in events], dp_rank], use_bin_type=True)
+    batch = [ts, [_event(e, arrays) for e in events], dp_rank]
+    packed: bytes = msgpack.packb(batch, use_bin_type=True)  # type: ignore[no-untyped-call]
+    return packed
 
 
 def _binds(endpoint: str) -> bool:
@@ -144,10 +146,10 @@ class Publisher:
         sock = self.replay
         if sock is None:
             return
-        fd = sock.getsockopt(zmq.FD)
+        fd = cast(int, sock.getsockopt(zmq.FD))
         while True:
             # The descriptor is edge-triggered: drain every pending request before waiting again.
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
                 self._answer(sock, frames)
             await trio.lowlevel.wait_readable(fd)
@@ -172,4 +174,4 @@ class Publisher:
         self.pub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)

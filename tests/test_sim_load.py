@@ -1,0 +1,206 @@
+"""The sim's capacity model in a real process: a queue past --max-num-seqs, prefix-cache hits for
+prompts that share a prefix, and KV events on ZMQ decoded by vLLM's own msgspec classes (copied
+from the pinned wheels into tests/fixtures/vllm_kv_events by ``python -m enginebuild.kvevents``).
+"""
+
+# The start_sim fixture is test_sim's, imported: its parameters "redefine" it (F811) by design.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from agent.engines.sim import generate, kvcache
+from tests.support import free_port, poll
+from tests.test_sim import Sim, StartSim, start_sim  # noqa: F401
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm_kv_events"
+VERSIONS = ("0.18.0", "0.33.0")
+
+
+def vllm_events(version: str) -> ModuleType:
+    """vLLM's kv_events classes for ``version``, loaded from the committed copy."""
+    path = FIXTURES / f"vllm_{version.replace('.', '_')}.py"
+    spec = importlib.util.spec_from_file_location(f"vllm_kv_events_{version.replace('.', '_')}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def metrics(sim: Sim) -> dict[str, float]:
+    """vLLM's samples by name (labels dropped: one engine, one model)."""
+    text = httpx.get(f"{sim.url}/metrics", timeout=5).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        if "le=" not in m.group(0):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def complete(sim: Sim, prompt: str, max_tokens: int = 2) -> dict[str, Any]:
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens}
+    reply = httpx.post(f"{sim.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    doc: dict[str, Any] = reply.json()
+    return doc
+
+
+def words(n: int, tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def test_requests_wait_past_max_num_seqs(start_sim: StartSim) -> None:
+    sim = start_sim("--max-num-seqs", "2", env={"LLMGW_SIM_ITL_MS": "40", "LLMGW_SIM_TTFT_MS": "1"})
+    sim.wait_ready()
+    done: list[int] = []
+
+    def one(i: int) -> None:
+        done.append(len(complete(sim, f"request {i} " + words(10, "w"), max_tokens=15)["choices"]))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+
+    def queued() -> dict[str, float] | None:
+        m = metrics(sim)
+        return m if m.get("vllm:num_requests_waiting", 0) > 0 else None
+
+    seen = poll("vllm:num_requests_waiting > 0 with 6 requests and --max-num-seqs 2", queued, timeout=20)
+    assert seen["vllm:num_requests_running"] == 2
+    for t in threads:
+        t.join(timeout=60)
+    assert done == [1] * 6
+    after = metrics(sim)
+    assert after["vllm:num_requests_waiting"] == 0 and after["vllm:num_requests_running"] == 0
+    assert after["vllm:time_to_first_token_seconds_count"] == 6
+    # 6 requests x 14 gaps; queued requests waited at least a whole request (15 steps of 40 ms).
+    assert after["vllm:inter_token_latency_seconds_count"] == 6 * 14
+    assert after["vllm:time_to_first_token_seconds_sum"] > 2 * 15 * 0.040
+
+
+def test_prefix_hits_rise_when_prompts_share_a_prefix(start_sim: StartSim) -> None:
+    sim = start_sim(env={"LLMGW_SIM_ITL_MS": "1", "LLMGW_SIM_TTFT_MS": "1"})
+    sim.wait_ready()
+    system = words(64, "sys")  # 64 tokens: 4 full blocks of 16
+    complete(sim, system + " first question")
+    before = metrics(sim)
+    assert before["vllm:prefix_cache_queries_total"] == 66
+    assert before["vllm:prefix_cache_hits_total"] == 0
+    for i in range(3):
+        complete(sim, system + f" question number {i}")
+    after = metrics(sim)
+    assert after["vllm:prefix_cache_queries_total"] == 66 + 3 * 67
+    assert after["vllm:prefix_cache_hits_total"] == 3 * 64
+    # Nothing shared: no hit.
+    complete(sim, words(70, "other"))
+    assert metrics(sim)["vllm:prefix_cache_hits_total"] == 3 * 64
+    assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_kv_events_decode_with_vllms_own_classes(start_sim: StartSim, version: str) -> None:
+    """The sim's bytes on the PUB socket and from the replay socket decode with vLLM's msgspec
+    definitions for the imitated version; hashes and token ids are the ones vLLM would compute."""
+    vllm = vllm_events(version)
+    pub, replay = free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+        "topic": "kv",
+    }
+    sim = start_sim(
+        "--kv-events-config",
+        json.dumps(config),
+        "--num-gpu-blocks-override",
+        "8",
+        env={
+            "LLMGW_SIM_VLLM_VERSION": version,
+            "PYTHONHASHSEED": "7",
+            "LLMGW_SIM_ITL_MS": "1",
+            "LLMGW_SIM_TTFT_MS": "1",
+        },
+    )
+    sim.wait_ready()
+    decoder = msgspec.msgpack.Decoder(type=vllm.KVEventBatch)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{pub}")
+    try:
+        prompts: list[str] = []
+
+        def batch() -> list[bytes] | None:
+            # A SUB socket misses what was published before it joined: keep sending new prompts
+            # until one batch arrives.
+            prompt = words(40, f"p{len(prompts)}x")
+            prompts.append(prompt)
+            complete(sim, prompt)
+            if sub.poll(200):
+                return sub.recv_multipart()
+            return None
+
+        topic, seq, payload = poll("a KV event batch on the PUB socket", batch, timeout=20)
+        assert topic == b"kv" and len(seq) == 8
+        decoded = decoder.decode(payload)
+        assert decoded.data_parallel_rank == 0 and decoded.ts > 1e9
+        stored = [e for e in decoded.events if isinstance(e, vllm.BlockStored)]
+        assert stored, decoded
+
+        # The hashes are vLLM's for the tokens the sim's tokenizer gives the prompt.
+        event = stored[0]
+        matching = [generate.token_ids(p) for p in prompts]
+        ids = next((i for i in matching if i[:32] == event.token_ids), None)
+        assert ids is not None, f"no prompt sent has the token ids {event.token_ids}"
+        fn = kvcache.hash_function("sha256")
+        none = kvcache.none_hash(fn, "sha256", {"PYTHONHASHSEED": "7"}, version)
+        h0 = kvcache.hash_block_tokens(fn, none, None, ids[:16])
+        h1 = kvcache.hash_block_tokens(fn, none, h0, ids[16:32])
+        assert event.block_hashes == [kvcache.external_hash(h0), kvcache.external_hash(h1)]
+        assert event.parent_block_hash is None
+        assert event.token_ids == ids[:32]
+        assert (event.block_size, event.medium, event.lora_id) == (16, "GPU", None)
+
+        # A prompt that needs every block evicts cached ones: BlockRemoved, decoded the same way.
+        complete(sim, words(120, "big"))
+        removed = []
+        while sub.poll(2000):
+            _, _, more = sub.recv_multipart()
+            removed += [e for e in decoder.decode(more).events if isinstance(e, vllm.BlockRemoved)]
+            if removed:
+                break
+        assert removed and all(len(e.block_hashes) == 1 for e in removed)
+
+        # Replay from sequence 0: every buffered batch, in order, then the end marker (seq -1).
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://127.0.0.1:{replay}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert dealer.poll(5000), "the replay socket did not answer"
+            _, rtopic, rseq, rpayload = dealer.recv_multipart()
+            n = int.from_bytes(rseq, "big", signed=True)
+            if n == -1:
+                assert (rtopic, rpayload) == (b"", b"")
+                break
+            assert rtopic == b"kv"
+            decoder.decode(rpayload)
+            seqs.append(n)
+        assert seqs == list(range(len(seqs))) and len(seqs) >= 2
+    finally:
+        ctx.destroy(linger=0)  # closes every socket, even after a failed assertion
