@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
 from agent.engines.sim import kvcache
 from agent.engines.sim.config import SimConfig, kv_events_settings
-from agent.engines.sim.kvevents import Publisher
 from agent.engines.sim.scheduler import Request, Scheduler, StepCost
+
+if TYPE_CHECKING:
+    from agent.engines.sim.kvevents import Publisher
 
 #: vLLM's buckets (``vllm/v1/metrics/loggers.py``) for the two latency histograms.
 TTFT_BUCKETS = (
@@ -118,6 +121,9 @@ class EngineLoop:
         if config.kv_events_config:
             settings = kv_events_settings(config.kv_events_config)
             if settings["enable_kv_cache_events"] and settings["publisher"] == "zmq":
+                # Imported here: pyzmq and msgpack are needed only by a sim that publishes.
+                from agent.engines.sim.kvevents import Publisher
+
                 self.publisher = Publisher(settings, config.vllm_version, log)
                 log(
                     f"KV events on {self.publisher.endpoint}"
