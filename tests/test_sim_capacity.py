@@ -246,3 +246,71 @@ def test_caching_off_hits_nothing() -> None:
     s.add(_req("b", list(range(1, 11))))
     _run(s)
     assert s.prefix_hits == 0 and s.cache.take_events() == []
+
+
+# -- vLLM's flags the model acts on ------------------------------------------------------------
+
+
+def test_capacity_flags_parse_as_vllm_spells_them() -> None:
+    from agent.engines.sim.config import SimUsageError, kv_blocks, parse_command_line
+
+    c = parse_command_line(["m"], {})
+    assert (c.block_size, c.max_num_seqs, c.max_num_batched_tokens) == (16, 1024, 8192)
+    assert c.enable_prefix_caching and c.prefix_caching_hash_algo == "sha256"
+    assert c.num_gpu_blocks == kv_blocks(0.9, 16) == 27648
+    c = parse_command_line(
+        ["m", "--block-size", "32", "--max-num-batched-tokens", "2k", "--num-gpu-blocks-override", "99"], {}
+    )
+    assert (c.block_size, c.max_num_batched_tokens, c.num_gpu_blocks) == (32, 2000, 99)
+    # The negation is spelled per version, and it turns caching off (it used to be parsed as on).
+    old = {"LLMGW_SIM_VLLM_VERSION": "0.18.0"}
+    assert not parse_command_line(["m", "--no-enable-prefix-caching"], old).enable_prefix_caching
+    assert not parse_command_line(["m", "--disable-prefix-caching"], {}).enable_prefix_caching
+    assert parse_command_line(["m", "--enable-prefix-caching"], {}).enable_prefix_caching
+    c = parse_command_line(["m", "--sim-time-scale", "4"], {"LLMGW_SIM_PREFILL_MS_PER_TOKEN": "0.5"})
+    assert (c.time_scale, c.prefill_ms_per_token) == (4, 0.5)
+    with pytest.raises(SimUsageError, match="unknown field"):
+        parse_command_line(["m", "--kv-events-config", '{"enable_kv_cache_events": true, "bogus": 1}'], {})
+    with pytest.raises(SimUsageError, match="publisher 'kafka'"):
+        parse_command_line(["m", "--kv-events-config", '{"publisher": "kafka"}'], {})
+    with pytest.raises(SimUsageError, match="--max-num-seqs must be >= 1"):
+        parse_command_line(["m", "--max-num-seqs", "0"], {})
+    with pytest.raises(SimUsageError, match="time scale must be >= 0"):
+        parse_command_line(["m"], {"LLMGW_SIM_TIME_SCALE": "-1"})
+
+
+def test_kv_event_encoding_per_version() -> None:
+    """The shapes the two encodings take (the decode with vLLM's own classes is in
+    test_sim_load.py): positional arrays up to 0.18, tagged maps after."""
+    import msgpack
+
+    from agent.engines.sim.kvevents import encode_batch
+
+    events = [BlockStored((5,), None, (1, 2), 2), BlockRemoved((5,)), AllBlocksCleared()]
+    old = msgpack.unpackb(encode_batch(1.5, events, "0.18.0"))
+    assert old == [
+        1.5,
+        [
+            ["BlockStored", [5], None, [1, 2], 2, None, "GPU", None, [None]],
+            ["BlockRemoved", [5], "GPU"],
+            ["AllBlocksCleared"],
+        ],
+        0,
+    ]
+    new = msgpack.unpackb(encode_batch(1.5, events, "0.33.0"))
+    assert new[1][0] == {
+        "type": "BlockStored",
+        "block_hashes": [5],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None],
+        "group_idx": 0,
+    }
+    assert new[1][1:] == [
+        {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 0},
+        {"type": "AllBlocksCleared"},
+    ]

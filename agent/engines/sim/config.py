@@ -439,6 +439,14 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
     blocks = override or kv_blocks(config.gpu_memory_utilization, config.block_size)
     if config.kv_events_config:
         kv_events_settings(config.kv_events_config)  # refuse a bad one before loading
+    if config.prefix_caching_hash_algo.startswith("xxhash"):
+        try:
+            import xxhash  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError:
+            raise SimUsageError(
+                f"--prefix-caching-hash-algo {config.prefix_caching_hash_algo} needs the xxhash "
+                "package (pip install xxhash), as vLLM does"
+            ) from None
     return attrs.evolve(config, num_gpu_blocks=blocks)
 
 
