@@ -204,3 +204,25 @@ def test_kv_events_decode_with_vllms_own_classes(start_sim: StartSim, version: s
         assert seqs == list(range(len(seqs))) and len(seqs) >= 2
     finally:
         ctx.destroy(linger=0)  # closes every socket, even after a failed assertion
+
+
+def test_a_client_that_leaves_frees_its_blocks(start_sim: StartSim) -> None:
+    """A real engine frees a sequence's KV blocks when its client goes; so does the sim, at once
+    (not when the request would have ended)."""
+    sim = start_sim(env={"LLMGW_SIM_ITL_MS": "20", "LLMGW_SIM_TTFT_MS": "1"})
+    sim.wait_ready()
+    body = {"model": "sim-model", "prompt": words(100, "long"), "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=30) as reply:
+        chunks = 0
+        for line in reply.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 3:
+                # Still streaming (leaving the loop closes the connection: httpx ends the stream).
+                held = metrics(sim)
+                assert held["vllm:num_requests_running"] == 1 and held["vllm:kv_cache_usage_perc"] > 0
+                break
+    poll(
+        "the abandoned request's blocks to be freed",
+        lambda: (m := metrics(sim))["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0,
+        timeout=10,
+    )

@@ -425,7 +425,11 @@ class SimServer:
                         frontend = self.config.ttft_ms * self.config.time_scale / 1000
                         if frontend > 0:
                             await trio.sleep(frontend)
-                        ticket = self.engine.submit(request, arrived)
+                        if "requests" in self.config.hang:
+                            # Hung before the engine: the request takes no batch slot or blocks.
+                            ticket = Ticket(request, arrived)
+                        else:
+                            ticket = self.engine.submit(request, arrived)
                         if streaming:
                             events = shape.stream(plan, include_usage)
                             await self._stream(conn, stream, events, progress, ticket)
