@@ -114,20 +114,25 @@ class Publisher:
         self.pub.set_hwm(int(settings["hwm"]))
         self.pub.setsockopt(zmq.LINGER, 0)
         endpoint = str(settings["endpoint"])
-        if _binds(endpoint):
-            self.pub.bind(endpoint)
-            endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self.pub.connect(endpoint)
-        self.endpoint = endpoint
         self.replay: zmq.Socket[bytes] | None = None
         self.replay_endpoint = ""
-        if settings["replay_endpoint"]:
-            self.replay = self._ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(str(settings["replay_endpoint"]))
-            self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            if _binds(endpoint):
+                self.pub.bind(endpoint)
+                endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self.pub.connect(endpoint)
+            if settings["replay_endpoint"]:
+                self.replay = self._ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay.bind(str(settings["replay_endpoint"]))
+                self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            where = f"{settings['endpoint']} / replay {settings['replay_endpoint']}"
+            raise OSError(f"--kv-events-config: cannot open {where}: {exc}") from None
+        self.endpoint = endpoint
         self.dropped = 0
 
     def publish(self, events: Sequence[KVEvent]) -> None:

@@ -550,7 +550,11 @@ async def run(config: SimConfig, out: TextIO = sys.stdout) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_signals.remove(signal.SIGTERM)
         log("ignoring SIGTERM (LLMGW_SIM_HANG=sigterm)")
-    server = SimServer(config, log)
+    try:
+        server = SimServer(config, log)
+    except OSError as exc:  # the KV events endpoints could not be opened
+        log(str(exc))
+        return 1
     outcome: list[int] = []
     with trio.open_signal_receiver(*stop_signals) as signals:
         async with trio.open_nursery() as nursery:
