@@ -11,6 +11,8 @@ import pickle
 
 import cbor2
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from agent.engines.sim import generate, kvcache
 from agent.engines.sim.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, KVCache
@@ -314,3 +316,54 @@ def test_kv_event_encoding_per_version() -> None:
         {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 0},
         {"type": "AllBlocksCleared"},
     ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    blocks=st.integers(3, 12),
+    seqs=st.integers(2, 6),
+    budget=st.integers(4, 40),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "step", "step", "abort"]), st.integers(1, 40), st.integers(1, 16)
+        ),
+        min_size=10,
+        max_size=60,
+    ),
+)
+def test_scheduler_invariants_hold_for_any_workload(
+    blocks: int, seqs: int, budget: int, ops: list[tuple[str, int, int]]
+) -> None:
+    """Blocks are conserved (free + referenced = all), the batch never passes --max-num-seqs or
+    the token budget, a running request holds blocks for what it computed, and a drained engine
+    holds no block."""
+    s = _scheduler(blocks, seqs=seqs, budget=budget)
+    live: list[Request] = []
+    n = 0
+
+    def check(result: object = None) -> None:
+        assert len(s.running) <= seqs
+        referenced = {b for r in s.running for b in r.blocks}
+        assert s.cache.free_blocks + len(referenced) == blocks
+        for r in s.running:
+            assert len(r.blocks) * BS >= r.computed
+        for r in s.waiting:
+            assert r.blocks == []
+        if result is not None:
+            assert result.prefill_tokens + result.decode_seqs <= budget  # type: ignore[attr-defined]
+
+    for op, size, out in ops:
+        if op == "add" and size + 1 + out <= blocks * BS:
+            # Prompts share prefixes: token i of every prompt is i % 7 until a per-request tail.
+            r = _req(f"r{n}", [i % 7 for i in range(size)] + [100 + n], out=out)
+            n += 1
+            s.add(r)
+            live.append(r)
+        elif op == "abort" and live:
+            s.abort(live.pop(size % len(live)))
+        elif op == "step":
+            check(s.step())
+        check()
+    _run(s, limit=5000)
+    assert s.cache.free_blocks == blocks
+    event(f"preempted: {s.preemptions > 0}")
