@@ -226,3 +226,60 @@ def test_a_client_that_leaves_frees_its_blocks(start_sim: StartSim) -> None:
         lambda: (m := metrics(sim))["vllm:kv_cache_usage_perc"] == 0 and m["vllm:num_requests_running"] == 0,
         timeout=10,
     )
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_kv_event_bytes_equal_vllms_own_encoding(version: str) -> None:
+    """Byte for byte: the sim's payload for a batch equals what vLLM's msgspec classes encode for
+    the same events (as its publisher sends them: data_parallel_rank 0, hashes as 64-bit ints)."""
+    from agent.engines.sim.kvcache import AllBlocksCleared, BlockRemoved, BlockStored
+    from agent.engines.sim.kvevents import encode_batch
+
+    vllm = vllm_events(version)
+    big = (1 << 64) - 3  # a uint64 above int64's range, as many real hashes are
+    ours = [
+        BlockStored((big, 12), None, tuple(range(32)), 16),
+        BlockStored((99,), 12, tuple(range(32, 48)), 16),
+        BlockRemoved((big,)),
+        AllBlocksCleared(),
+    ]
+    extra = {} if version == "0.18.0" else {"group_idx": 0}
+    theirs = vllm.KVEventBatch(
+        ts=1796425323.25,
+        events=[
+            vllm.BlockStored(
+                block_hashes=[big, 12],
+                parent_block_hash=None,
+                token_ids=list(range(32)),
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[None, None],
+                **extra,
+            ),
+            vllm.BlockStored(
+                block_hashes=[99],
+                parent_block_hash=12,
+                token_ids=list(range(32, 48)),
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[None],
+                **extra,
+            ),
+            vllm.BlockRemoved(block_hashes=[big], medium="GPU", **extra),
+            vllm.AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    assert encode_batch(1796425323.25, ours, version) == msgspec.msgpack.encode(theirs)
+    # A step that evicts many blocks: 20 events, past msgpack's short array header.
+    many = [BlockRemoved((i,)) for i in range(20)]
+    theirs_many = vllm.KVEventBatch(
+        ts=2.5,
+        events=[vllm.BlockRemoved(block_hashes=[i], medium="GPU", **extra) for i in range(20)],
+        data_parallel_rank=0,
+    )
+    assert encode_batch(2.5, many, version) == msgspec.msgpack.encode(theirs_many)

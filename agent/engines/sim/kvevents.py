@@ -80,12 +80,37 @@ def _event(event: KVEvent, arrays: bool) -> Any:
     return {"type": tag, **dict(fields)}
 
 
-def encode_batch(ts: float, events: Sequence[KVEvent], vllm_version: str, dp_rank: int = 0) -> bytes:
-    """One ``KVEventBatch`` payload as the imitated vLLM version's msgspec encoder writes it."""
-    arrays = array_like(vllm_version)
-    batch = [ts, [_event(e, arrays) for e in events], dp_rank]
-    packed: bytes = msgpack.packb(batch, use_bin_type=True)  # type: ignore[no-untyped-call]
+def _pack(value: Any) -> bytes:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)  # type: ignore[no-untyped-call]
     return packed
+
+
+def _array_header(n: int) -> bytes:
+    """msgpack's shortest array header, as msgspec writes it for a list."""
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def encode_batch(ts: float, events: Sequence[KVEvent], vllm_version: str, dp_rank: int = 0) -> bytes:
+    """One ``KVEventBatch`` payload as the imitated vLLM version's msgspec encoder writes it, byte
+    for byte (tests/test_sim_load.py compares with vLLM's own classes): msgspec sizes a struct's
+    map header by the fields the struct declares, not by those it writes, so a struct with 16 or
+    more possible keys (0.33's ``BlockStored``: 15 fields and the tag) gets a map16 header even
+    when ``omit_defaults`` leaves fewer keys."""
+    arrays = array_like(vllm_version)
+    out = [_array_header(3), _pack(ts), _array_header(len(events))]
+    for event in events:
+        body = _event(event, arrays)
+        if isinstance(body, dict) and body["type"] == "BlockStored":
+            out.append(b"\xde" + len(body).to_bytes(2, "big"))
+            out += [_pack(k) + _pack(v) for k, v in body.items()]
+        else:
+            out.append(_pack(body))
+    out.append(_pack(dp_rank))
+    return b"".join(out)
 
 
 def _binds(endpoint: str) -> bool:
