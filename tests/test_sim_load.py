@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 from agent.engines.sim import generate, kvcache
+from agent.supervise.probes import IN_FLIGHT
 from tests.support import free_port, poll
 from tests.test_sim import Sim, StartSim, start_sim  # noqa: F401
 
@@ -40,9 +41,10 @@ def vllm_events(version: str) -> ModuleType:
 
 
 def metrics(sim: Sim) -> dict[str, float]:
-    """vLLM's samples by name (labels dropped: one engine, one model)."""
+    """vLLM's samples by name (labels dropped: one engine, one model), and under "in_flight" what
+    the agent's drain reads from the same text (agent.supervise.probes.IN_FLIGHT, summed)."""
     text = httpx.get(f"{sim.url}/metrics", timeout=5).text
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"in_flight": sum(float(m.group(3)) for m in IN_FLIGHT.finditer(text.encode()))}
     for m in re.finditer(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? (\S+)$", text, re.M):
         if "le=" not in m.group(0):
             out[m.group(1)] = float(m.group(2))
@@ -75,10 +77,14 @@ def test_requests_wait_past_max_num_seqs(start_sim: StartSim) -> None:
 
     def queued() -> dict[str, float] | None:
         m = metrics(sim)
-        return m if m.get("vllm:num_requests_waiting", 0) > 0 else None
+        # (A request that arrives while a step runs waits until the next step even if there is
+        # room, as in vLLM: so the sign of a full batch is both gauges together.)
+        full = m.get("vllm:num_requests_waiting", 0) > 0 and m.get("vllm:num_requests_running") == 2
+        return m if full else None
 
     seen = poll("vllm:num_requests_waiting > 0 with 6 requests and --max-num-seqs 2", queued, timeout=20)
-    assert seen["vllm:num_requests_running"] == 2
+    # A drain waits for queued requests too, not only for the running ones.
+    assert seen["in_flight"] == 2 + seen["vllm:num_requests_waiting"]
     for t in threads:
         t.join(timeout=60)
     assert done == [1] * 6
