@@ -289,3 +289,24 @@ def test_kv_event_bytes_equal_vllms_own_encoding(version: str) -> None:
         data_parallel_rank=0,
     )
     assert encode_batch(2.5, many, version) == msgspec.msgpack.encode(theirs_many)
+
+
+def test_the_extractor_keeps_exactly_the_event_format() -> None:
+    """enginebuild.kvevents keeps the msgspec classes and MEDIUM_* constants, unchanged and in
+    order, drops everything else, and refuses a source whose format moved; the committed copies
+    name the wheel they came from."""
+    from enginebuild import kvevents
+    from enginebuild.flags.core import ExtractError
+
+    classes = "\n\n".join(
+        f"class {name}(Base):\n    x: int = {i}" for i, name in enumerate(kvevents.KEEP_CLASSES)
+    )
+    source = f'import zmq\n\nMEDIUM_GPU = "GPU"\n\n\ndef publisher():\n    pass\n\n\n{classes}\n\n\nclass ZmqEventPublisher:\n    pass\n'
+    kept = kvevents.definitions(source)
+    assert "import zmq" not in kept and "publisher" not in kept.lower()
+    assert kept.startswith('MEDIUM_GPU = "GPU"') and "class KVEventBatch(Base):\n    x: int = 5" in kept
+    with pytest.raises(ExtractError, match="has no KVEventBatch"):
+        kvevents.definitions(source.replace("class KVEventBatch", "class Renamed"))
+    for version in VERSIONS:
+        text = (FIXTURES / f"{kvevents.module_name(version)}.py").read_text()
+        assert f"vllm-{version}-" in text.splitlines()[2] and f"enginebuild.kvevents {version}" in text
