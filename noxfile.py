@@ -87,6 +87,15 @@ def flags(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def kvevents(session: nox.Session) -> None:
+    """Rewrite tests/fixtures/vllm_kv_events/ (vLLM's KV event classes, which a test decodes the sim's
+    events with) from the pinned vLLM wheels; ``nox -s kvevents -- --wheels DIR`` reuses wheels
+    already downloaded (each is ~400 MB)."""
+    session.install("-e", ".")
+    session.run("python", "-m", "enginebuild.kvevents", *session.posargs)
+
+
+@nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The README's demo: the system end to end on loopback, no GPU needed.
 

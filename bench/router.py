@@ -780,6 +780,11 @@ def run(
         "LLMGW_SIM_LOAD_SECONDS": "0",
         "LLMGW_SIM_TTFT_MS": str(args.ttft_ms),
         "LLMGW_SIM_ITL_MS": str(args.itl_ms),
+        # A fixed-latency engine: the capacity model's per-token and per-sequence costs off, so
+        # the engine's pace does not change with the concurrency this benchmark steps through.
+        "LLMGW_SIM_PREFILL_MS_PER_TOKEN": "0",
+        "LLMGW_SIM_DECODE_MS_PER_SEQ": "0",
+        "LLMGW_SIM_CONTEXT_MS_PER_TOKEN": "0",
     }
     engine = start(
         "engine",

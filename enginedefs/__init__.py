@@ -130,7 +130,10 @@ DESCRIPTORS: tuple[EngineDescriptor, ...] = (
         version=VersionProbe(package="vllm"),
         key=ApiKey(env="VLLM_API_KEY"),
         renames=True,
-        publishes=Publishes(in_flight=("vllm:num_requests_running",), kv_events=True),
+        # Running and queued: a drain must wait for both (vllm/v1/metrics/loggers.py).
+        publishes=Publishes(
+            in_flight=("vllm:num_requests_running", "vllm:num_requests_waiting"), kv_events=True
+        ),
     ),
     EngineDescriptor(
         name="sglang",
@@ -144,7 +147,7 @@ DESCRIPTORS: tuple[EngineDescriptor, ...] = (
         # (sglang/srt/server_args_config_parser.py) turns the file's keys into arguments in-process.
         key=ApiKey(config_flag="--config"),
         renames=True,
-        publishes=Publishes(in_flight=("sglang:num_running_reqs",), kv_events=True),
+        publishes=Publishes(in_flight=("sglang:num_running_reqs", "sglang:num_queue_reqs"), kv_events=True),
     ),
     EngineDescriptor(
         name="llamacpp",
@@ -182,7 +185,10 @@ DESCRIPTORS: tuple[EngineDescriptor, ...] = (
         version=VersionProbe(),
         key=ApiKey(env="VLLM_API_KEY"),
         renames=True,
-        publishes=Publishes(in_flight=("vllm:num_requests_running",)),
+        # vLLM's gauges, and vLLM's KV events with --kv-events-config (docs/sim.md).
+        publishes=Publishes(
+            in_flight=("vllm:num_requests_running", "vllm:num_requests_waiting"), kv_events=True
+        ),
     ),
 )
 

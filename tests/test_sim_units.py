@@ -40,15 +40,16 @@ def test_vllm_command_line_is_understood() -> None:
 
 
 def test_unknown_vllm_flags_are_kept_for_the_note() -> None:
-    c = parse_command_line(["serve", "m", "--enable-prefix-caching", "--max-num-seqs", "64"], {})
+    c = parse_command_line(["serve", "m", "--enforce-eager", "--max-num-seqs", "64", "--seed", "3"], {})
     assert c.model == "m"
-    assert c.ignored == ("--enable-prefix-caching", "--max-num-seqs", "64")
+    assert c.ignored == ("--enforce-eager", "--seed", "3")
+    assert c.max_num_seqs == 64
 
 
 def test_model_flag_and_positional() -> None:
-    c = parse_command_line(["--model", "m", "--max-num-seqs", "64"], {})
+    c = parse_command_line(["--model", "m", "--seed", "64"], {})
     assert c.model == "m"
-    assert c.ignored == ("--max-num-seqs", "64")
+    assert c.ignored == ("--seed", "64")
     # vLLM's serve takes the positional over --model.
     assert parse_command_line(["serve", "p", "--model", "m"], {}).model == "p"
 
@@ -203,25 +204,31 @@ def test_stream_events_are_openai_chunks() -> None:
     assert shape.full_response(plan)["choices"][0]["text"] == "Hi there"
 
 
-def test_ticker_sleeps_while_nobody_streams_and_ticks_once_someone_does() -> None:
-    """An idle engine keeps no timer (it used to wake every ITL for nothing); a stream that waits
-    for a tick gets it one ITL later, and the next one ITL after that."""
-    from agent.engines.sim.server import Ticker
+def test_engine_loop_sleeps_while_idle_and_steps_once_a_request_comes() -> None:
+    """An idle engine keeps no timer (the step loop waits on an event, never wakes every ITL for
+    nothing); a request gets its first token after its prefill step and each later one a decode
+    step later, never sooner than the base step time (--sim-itl-ms, times the time scale)."""
+    from agent.engines.sim.engine import EngineLoop
+    from agent.engines.sim.scheduler import Request
+
+    config = parse_command_line(["m"], {"LLMGW_SIM_ITL_MS": "20", "LLMGW_SIM_TIME_SCALE": "2"})
 
     async def main() -> tuple[float, list[float]]:
-        ticker = Ticker(0.02)
+        engine = EngineLoop(config, lambda _: None, {"PYTHONHASHSEED": "0"})
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticker.run)
+            nursery.start_soon(engine.run)
             await trio.testing.wait_all_tasks_blocked()
             idle = trio.lowlevel.current_statistics().seconds_to_next_deadline
+            ticket = engine.submit(Request("r", (1, 2, 3), (4, 5, 6)), trio.current_time())
             gaps = []
-            for _ in range(3):
+            for n in (1, 2, 3):
                 before = trio.current_time()
-                await ticker.tick()
+                await ticket.wait(n)
                 gaps.append(trio.current_time() - before)
+            engine.release(ticket)
             nursery.cancel_scope.cancel()
         return idle, gaps
 
-    idle, gaps = trio.run(main)
+    idle, gaps = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert idle == float("inf")
-    assert all(gap >= 0.02 * 0.95 for gap in gaps), gaps
+    assert all(gap >= 0.040 for gap in gaps), gaps

@@ -27,8 +27,17 @@ Knobs, as ``--sim-*`` flags or ``LLMGW_SIM_*`` variables (a flag wins):
 flag                      variable                    meaning (default)
 ========================  ==========================  ==========================================
 --sim-load-seconds S      LLMGW_SIM_LOAD_SECONDS      /health is 503 for S seconds, then 200 (1)
---sim-ttft-ms MS          LLMGW_SIM_TTFT_MS           time to first token (50)
---sim-itl-ms MS           LLMGW_SIM_ITL_MS            time between tokens (10)
+--sim-ttft-ms MS          LLMGW_SIM_TTFT_MS           the frontend's share of the time to first
+                                                      token, before the queue (40)
+--sim-itl-ms MS           LLMGW_SIM_ITL_MS            an engine step's base time: the gap between
+                                                      tokens of a lone sequence (7)
+--sim-prefill-ms-per-...  LLMGW_SIM_PREFILL_MS_PER_   per uncached prompt token in a step (0.03)
+  token MS                TOKEN
+--sim-decode-ms-per-seq   LLMGW_SIM_DECODE_MS_PER_    per decoding sequence in a step (0.03)
+  MS                      SEQ
+--sim-context-ms-per-...  LLMGW_SIM_CONTEXT_MS_PER_   per token of context a decoding sequence
+  token MS                TOKEN                       reads (0.00004)
+--sim-time-scale F        LLMGW_SIM_TIME_SCALE        multiplies every modelled duration (1)
 --sim-max-tokens N        LLMGW_SIM_MAX_TOKENS        length when a request sets no max_tokens (16)
 --sim-fail-loading MSG    LLMGW_SIM_FAIL_LOADING      print loading output and MSG, exit 1 while
                                                       loading ("1" for a CUDA OOM message)
@@ -46,6 +55,13 @@ Endpoints: ``GET /health`` (503 while loading or draining), ``GET /v1/models``,
 ``llmgw_sim_requests_cancelled_total``, ``llmgw_sim_tokens_generated_total``, and vLLM's
 ``vllm:num_requests_running`` family). Completions are deterministic: the same prompt gives the
 same words. Every request and lifecycle event is a line on stdout.
+
+Under load it behaves like vLLM (docs/sim.md): a paged KV cache with vLLM's block hashes, prefix
+caching and LRU eviction (``--block-size``, ``--num-gpu-blocks-override``,
+``--enable-prefix-caching``, ``--prefix-caching-hash-algo``), continuous batching with a waiting
+queue, chunked prefill and preemption (``--max-num-seqs``, ``--max-num-batched-tokens``), step times
+that grow with the work in the step, vLLM's scheduler metrics, and vLLM's KV events on ZMQ with
+``--kv-events-config``.
 """
 
 from __future__ import annotations

@@ -28,6 +28,24 @@ from agent.engines import flagsets
 #: What LLMGW_SIM_HANG / --sim-hang may name.
 HANG_POINTS = ("loading", "requests", "sigterm")
 
+#: vLLM's defaults on an 80 GB GPU for ``vllm serve`` (the OpenAI server's usage context).
+DEFAULT_MAX_NUM_SEQS = 1024
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+#: The imitated setup's KV cache (docs/sim.md): Llama-3.1-8B in bf16 on one 80 GB H100 keeps
+#: 128 KiB of KV per token (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes); what
+#: --gpu-memory-utilization leaves after 16 GB of weights and about 2 GB of activations and
+#: CUDA graphs holds the blocks.
+GPU_MEMORY_BYTES = 80 * 2**30
+NON_KV_BYTES = 18 * 2**30
+KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+
+
+def kv_blocks(gpu_memory_utilization: float, block_size: int) -> int:
+    """The number of KV blocks vLLM would find for the imitated setup (27,648 at 0.9 and 16)."""
+    free = GPU_MEMORY_BYTES * gpu_memory_utilization - NON_KV_BYTES
+    return max(int(free // (KV_BYTES_PER_TOKEN * block_size)), 1)
+
 
 class SimUsageError(ValueError):
     """A command line or knob the simulator cannot run with; the message names the flag or
@@ -54,8 +72,10 @@ class SimConfig:
     #: vLLM --shutdown-timeout: how long SIGTERM waits for in-flight requests (0 aborts them).
     shutdown_timeout: float = 0.0
     load_seconds: float = 1.0
-    ttft_ms: float = 50.0
-    itl_ms: float = 10.0
+    #: The frontend's share of the time to first token (HTTP, tokenization), before the queue.
+    ttft_ms: float = 40.0
+    #: The base time of one engine step: the inter-token latency of a lone decoding sequence.
+    itl_ms: float = 7.0
     #: Non-empty: print loading output, then this error, then exit 1 while loading.
     fail_loading: str = ""
     #: > 0: crash (exit with exit_code) this many seconds after start.
@@ -70,6 +90,22 @@ class SimConfig:
     api_keys: tuple[str, ...] = ()
     #: The vLLM version whose command line the simulator parsed (its flag file).
     vllm_version: str = ""
+    # -- the capacity model (docs/sim.md): vLLM's own flags ----------------------------------
+    block_size: int = 16
+    #: --num-gpu-blocks-override, else derived from --gpu-memory-utilization (kv_blocks()).
+    num_gpu_blocks: int = 0
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    #: --kv-events-config as given (JSON text), "" when not given.
+    kv_events_config: str = ""
+    # -- the capacity model: the simulator's own knobs (milliseconds of the imitated GPU) -----
+    prefill_ms_per_token: float = 0.03
+    decode_ms_per_seq: float = 0.03
+    context_ms_per_token: float = 0.00004
+    #: Every modelled duration (step times, the frontend's TTFT share) is multiplied by this.
+    time_scale: float = 1.0
 
     @property
     def served_model_name(self) -> str:
@@ -126,6 +162,13 @@ SIMULATED = frozenset(
         "headless",
         "shutdown_timeout",
         "api_key",
+        "block_size",
+        "num_gpu_blocks_override",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+        "prefix_caching_hash_algo",
+        "kv_events_config",
     }
 )
 
@@ -139,6 +182,10 @@ _KNOBS: tuple[tuple[str, type], ...] = (
     ("--sim-exit-code", int),
     ("--sim-hang", str),
     ("--sim-max-tokens", int),
+    ("--sim-prefill-ms-per-token", float),
+    ("--sim-decode-ms-per-seq", float),
+    ("--sim-context-ms-per-token", float),
+    ("--sim-time-scale", float),
 )
 
 
@@ -170,11 +217,14 @@ def _parser(fs: flagsets.FlagSet) -> argparse.ArgumentParser:
         if option.dest == "help":
             p.add_argument(*option.flags, action="help")
         elif not option.takes_value:
-            positive = [f for f in option.flags if not f.startswith("--no-")]
-            if len(positive) < len(option.flags):
-                p.add_argument(*positive, dest=option.dest, action=argparse.BooleanOptionalAction)
-            else:
-                p.add_argument(*option.flags, dest=option.dest, action="store_true")
+            # A switch's first flag turns it on; a second spelling that negates it is --no-X
+            # (argparse's BooleanOptionalAction) or, in newer vLLM, --disable-X
+            # (--enable-prefix-caching / --disable-prefix-caching): those store False.
+            negative = [f for f in option.flags[1:] if f.startswith("--no-") or f.startswith("--disable-")]
+            positive = [f for f in option.flags if f not in negative]
+            p.add_argument(*positive, dest=option.dest, action="store_const", const=True)
+            if negative:
+                p.add_argument(*negative, dest=option.dest, action="store_const", const=False)
         else:
             p.add_argument(
                 *option.flags,
@@ -212,6 +262,19 @@ def _max_model_len(raw: str | None) -> int:
     if raw and raw[-1] in units:
         return int(float(raw[:-1]) * units[raw[-1]])
     return int(raw)
+
+
+def _human_int(raw: str | None, flag: str, default: int) -> int:
+    """vLLM's human-readable integers (``8192``, ``8k``, ``2K``) for flags typed that way."""
+    if raw is None:
+        return default
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        if raw and raw[-1] in units:
+            return int(float(raw[:-1]) * units[raw[-1]])
+        return int(raw)
+    except ValueError:
+        raise SimUsageError(f"{flag} {raw!r} is not an integer") from None
 
 
 def _api_keys(flag: str | list[str] | None, environ: Mapping[str, str]) -> list[str]:
@@ -319,14 +382,32 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
         api_keys=tuple(_api_keys(ns.api_key, environ)),
         vllm_version=fs.version,
         load_seconds=_knob(ns.sim_load_seconds, environ, "LLMGW_SIM_LOAD_SECONDS", 1.0, float),
-        ttft_ms=_knob(ns.sim_ttft_ms, environ, "LLMGW_SIM_TTFT_MS", 50.0, float),
-        itl_ms=_knob(ns.sim_itl_ms, environ, "LLMGW_SIM_ITL_MS", 10.0, float),
+        ttft_ms=_knob(ns.sim_ttft_ms, environ, "LLMGW_SIM_TTFT_MS", 40.0, float),
+        itl_ms=_knob(ns.sim_itl_ms, environ, "LLMGW_SIM_ITL_MS", 7.0, float),
         fail_loading=_fail_message(fail_raw),
         exit_after=_knob(ns.sim_exit_after, environ, "LLMGW_SIM_EXIT_AFTER", 0.0, float),
         exit_code=_knob(ns.sim_exit_code, environ, "LLMGW_SIM_EXIT_CODE", 1, int),
         hang=_hang_points(hang_raw, hang_source),
         default_max_tokens=_knob(ns.sim_max_tokens, environ, "LLMGW_SIM_MAX_TOKENS", 16, int),
         ignored=_not_simulated(fs, args_list),
+        block_size=ns.block_size if ns.block_size is not None else 16,
+        max_num_seqs=ns.max_num_seqs if ns.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens=_human_int(
+            ns.max_num_batched_tokens, "--max-num-batched-tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS
+        ),
+        enable_prefix_caching=ns.enable_prefix_caching is not False,
+        prefix_caching_hash_algo=ns.prefix_caching_hash_algo or "sha256",
+        kv_events_config=ns.kv_events_config or "",
+        prefill_ms_per_token=_knob(
+            ns.sim_prefill_ms_per_token, environ, "LLMGW_SIM_PREFILL_MS_PER_TOKEN", 0.03, float
+        ),
+        decode_ms_per_seq=_knob(
+            ns.sim_decode_ms_per_seq, environ, "LLMGW_SIM_DECODE_MS_PER_SEQ", 0.03, float
+        ),
+        context_ms_per_token=_knob(
+            ns.sim_context_ms_per_token, environ, "LLMGW_SIM_CONTEXT_MS_PER_TOKEN", 0.00004, float
+        ),
+        time_scale=_knob(ns.sim_time_scale, environ, "LLMGW_SIM_TIME_SCALE", 1.0, float),
     )
     for field, value in (
         ("load seconds", config.load_seconds),
@@ -334,6 +415,10 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
         ("ITL ms", config.itl_ms),
         ("exit-after seconds", config.exit_after),
         ("--shutdown-timeout", config.shutdown_timeout),
+        ("prefill ms per token", config.prefill_ms_per_token),
+        ("decode ms per sequence", config.decode_ms_per_seq),
+        ("context ms per token", config.context_ms_per_token),
+        ("time scale", config.time_scale),
     ):
         if value < 0:
             raise SimUsageError(f"{field} must be >= 0, got {value}")
@@ -341,4 +426,57 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
         raise SimUsageError(f"default max tokens must be >= 1, got {config.default_max_tokens}")
     if not 0 <= config.port <= 65535:
         raise SimUsageError(f"--port {config.port} is not a TCP port")
-    return config
+    for flag, number in (
+        ("--block-size", config.block_size),
+        ("--max-num-seqs", config.max_num_seqs),
+        ("--max-num-batched-tokens", config.max_num_batched_tokens),
+    ):
+        if number < 1:
+            raise SimUsageError(f"{flag} must be >= 1, got {number}")
+    override = ns.num_gpu_blocks_override
+    if override is not None and override < 1:
+        raise SimUsageError(f"--num-gpu-blocks-override must be >= 1, got {override}")
+    blocks = override or kv_blocks(config.gpu_memory_utilization, config.block_size)
+    if config.kv_events_config:
+        kv_events_settings(config.kv_events_config)  # refuse a bad one before loading
+    if config.prefix_caching_hash_algo.startswith("xxhash"):
+        try:
+            import xxhash  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError:
+            raise SimUsageError(
+                f"--prefix-caching-hash-algo {config.prefix_caching_hash_algo} needs the xxhash "
+                "package (pip install xxhash), as vLLM does"
+            ) from None
+    return attrs.evolve(config, num_gpu_blocks=blocks)
+
+
+#: --kv-events-config's fields and defaults (vLLM's KVEventsConfig; the same in 0.18 and 0.33).
+KV_EVENTS_DEFAULTS: Mapping[str, Any] = {
+    "enable_kv_cache_events": False,
+    "publisher": None,
+    "endpoint": "tcp://*:5557",
+    "replay_endpoint": None,
+    "buffer_steps": 10_000,
+    "hwm": 100_000,
+    "max_queue_size": 100_000,
+    "topic": "",
+}
+
+
+def kv_events_settings(raw: str) -> dict[str, Any]:
+    """--kv-events-config's JSON with vLLM's defaults filled in; an unknown field or a publisher
+    other than null/zmq is refused, naming it, as vLLM's config class refuses it."""
+    doc = json.loads(raw)
+    if not isinstance(doc, dict):
+        raise SimUsageError(f"--kv-events-config must be a JSON object, got {raw!r}")
+    unknown = sorted(set(doc) - set(KV_EVENTS_DEFAULTS))
+    if unknown:
+        raise SimUsageError(f"--kv-events-config: unknown field(s) {', '.join(unknown)}")
+    settings = {**KV_EVENTS_DEFAULTS, **doc}
+    if settings["publisher"] is None:
+        settings["publisher"] = "zmq" if settings["enable_kv_cache_events"] else "null"
+    if settings["publisher"] not in ("null", "zmq"):
+        raise SimUsageError(
+            f"--kv-events-config: publisher {settings['publisher']!r} is not one of null, zmq"
+        )
+    return settings

@@ -12,6 +12,7 @@ hundreds of concurrent streams on two cores.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -55,6 +56,33 @@ def count_tokens(text: str) -> int:
     return len(text.split())
 
 
+#: Token ids below this are the tokenizer's specials (the chat template's role markers).
+FIRST_WORD_ID = 1000
+#: The simulated vocabulary's size (Llama 3's, so ids look like a real model's).
+VOCAB_SIZE = 128256
+
+
+@functools.lru_cache(maxsize=65536)
+def _word_id(word: str) -> int:
+    digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
+    return FIRST_WORD_ID + int.from_bytes(digest, "big") % (VOCAB_SIZE - FIRST_WORD_ID)
+
+
+def token_ids(text: str) -> list[int]:
+    """The simulator's tokenizer: one id per whitespace-separated word, the same word always the
+    same id, so the same text always gives the same ids and a shared prefix of words is a shared
+    prefix of tokens (prefix caching across requests is real). The one place text becomes ids:
+    swapping in a real tokenizer changes only this function (and :func:`chat_token_ids`)."""
+    return [_word_id(w) for w in text.split()]
+
+
+def _role_ids(role: str) -> list[int]:
+    """The chat template's per-message marker tokens (CHAT_TOKENS_PER_MESSAGE of them), as real
+    templates add a header around each message; the role decides the middle one."""
+    role_id = int.from_bytes(hashlib.blake2b(role.encode(), digest_size=2).digest(), "big") % 900
+    return [1, 2, 10 + role_id, 3][:CHAT_TOKENS_PER_MESSAGE]
+
+
 def _content_text(content: object) -> str:
     """Message content as text: a string, or the text parts of a content-part list."""
     if content is None:
@@ -73,6 +101,8 @@ class Prompt:
 
     text: str
     tokens: int
+    #: The prompt's token ids (``tokens`` of them), from :func:`token_ids`.
+    ids: tuple[int, ...] = ()
 
 
 def chat_prompt(body: Mapping[str, Any]) -> Prompt:
@@ -80,14 +110,15 @@ def chat_prompt(body: Mapping[str, Any]) -> Prompt:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
     texts: list[str] = []
-    tokens = 0
+    ids: list[int] = []
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise BadRequest("each message needs a role", "messages")
         text = _content_text(m.get("content"))
         texts.append(f"{m['role']}: {text}")
-        tokens += count_tokens(text) + CHAT_TOKENS_PER_MESSAGE
-    return Prompt(text="\n".join(texts), tokens=tokens)
+        ids += _role_ids(str(m["role"]))
+        ids += token_ids(text)
+    return Prompt(text="\n".join(texts), tokens=len(ids), ids=tuple(ids))
 
 
 def completion_prompt(body: Mapping[str, Any]) -> Prompt:
@@ -95,9 +126,11 @@ def completion_prompt(body: Mapping[str, Any]) -> Prompt:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return Prompt(text=prompt, tokens=max(count_tokens(prompt), 1))
+        # An empty prompt still costs one token (the BOS a real tokenizer adds).
+        ids = token_ids(prompt) or [0]
+        return Prompt(text=prompt, tokens=len(ids), ids=tuple(ids))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return Prompt(text=" ".join(map(str, prompt)), tokens=len(prompt))
+        return Prompt(text=" ".join(map(str, prompt)), tokens=len(prompt), ids=tuple(prompt))
     raise BadRequest(
         "prompt must be a string, a list of one string, or a list of token ids "
         "(the simulator serves one prompt per request)",
@@ -123,6 +156,11 @@ class Plan:
     tokens: tuple[str, ...]
     finish_reason: str
     prompt_tokens: int
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The generated tokens' ids, from the same tokenizer as the prompt's."""
+        return tuple(_word_id(t.strip().lower()) for t in self.tokens)
 
     @property
     def completion_tokens(self) -> int:

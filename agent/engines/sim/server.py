@@ -1,7 +1,8 @@
 """The simulator's HTTP server and lifecycle: trio streams with h11 driven by hand.
 
-Why not an ASGI stack: each streamed token here is one wait on a clock shared by all streams
-(``Ticker``) and one write of a pre-built chunk, and nothing else, which is what lets two cores
+Why not an ASGI stack: each streamed token here is one wait on the request's own parking lot,
+unparked by the capacity model's step loop (:mod:`agent.engines.sim.engine`) when a step produced
+its token, and one write of a pre-built chunk, and nothing else, which is what lets two cores
 carry hundreds of concurrent streams for router benchmarks (about 70 us of CPU per token on the
 development machine, most of it the write system call). HTTP/1.1 keep-alive comes with h11's
 cycle (``start_next_cycle``).
@@ -26,7 +27,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 import attrs
@@ -35,6 +36,8 @@ import trio
 
 from agent.engines.sim import generate
 from agent.engines.sim.config import SimConfig
+from agent.engines.sim.engine import EngineLoop, Ticket
+from agent.engines.sim.scheduler import Request
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RECEIVE_SIZE = 65536
@@ -50,7 +53,8 @@ class Stats:
     tokens_generated: int = 0
     prompt_tokens: int = 0
 
-    def exposition(self, model: str) -> bytes:
+    def exposition(self, model: str, engine: list[str]) -> bytes:
+        """Our counters, then vLLM's (``engine``: the capacity model's, from EngineLoop)."""
         label = json.dumps(model)
         lines = [
             "# HELP llmgw_sim_requests_total Completion requests received, by endpoint.",
@@ -73,14 +77,11 @@ class Stats:
             "# TYPE llmgw_sim_prompt_tokens_total counter",
             f"llmgw_sim_prompt_tokens_total {self.prompt_tokens}",
             # vLLM's names, so what reads vLLM's /metrics can read the simulator's.
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{model_name={label}}} {self.running}",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{model_name={label}}} 0",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{model_name={label}}} {self.tokens_generated}",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{model_name={label}}} {self.prompt_tokens}",
+            *engine,
+            "# TYPE vllm:generation_tokens counter",
+            f'vllm:generation_tokens_total{{model_name={label},engine="0"}} {self.tokens_generated}',
+            "# TYPE vllm:prompt_tokens counter",
+            f'vllm:prompt_tokens_total{{model_name={label},engine="0"}} {self.prompt_tokens}',
         ]
         return ("\n".join(lines) + "\n").encode()
 
@@ -98,7 +99,7 @@ def _out(conn: h11.Connection, event: h11.Event) -> bytes:
 async def _write(stream: trio.SocketStream, data: bytes) -> None:
     """``send_all`` without its two scheduler round trips when the kernel takes the bytes at once,
     which it does for small SSE events on a healthy connection; the rest goes through send_all.
-    The caller supplies the cancellation checkpoint (the ticker)."""
+    The caller supplies the cancellation checkpoint (the wait for the token)."""
     try:
         sent = os.write(stream.socket.fileno(), data)
     except BlockingIOError:
@@ -107,46 +108,6 @@ async def _write(stream: trio.SocketStream, data: bytes) -> None:
         raise trio.BrokenResourceError(f"client connection lost: {exc}") from exc
     if sent < len(data):
         await stream.send_all(data[sent:])
-
-
-class Ticker:
-    """One clock for the inter-token gaps of every stream.
-
-    ``trio.sleep`` per token costs a cancel scope and a timer entry per stream; parking on one
-    shared lot that a single task wakes every ITL costs neither, and is what lets two cores carry
-    hundreds of streams. Gaps after the first are exactly one ITL; the first, after the TTFT, is
-    up to one ITL (streams do not start in step with the clock).
-    """
-
-    def __init__(self, period: float) -> None:
-        self.period = period
-        self._lot = trio.lowlevel.ParkingLot()
-        self._wanted = trio.Event()  # set while some stream waits for a tick
-
-    async def run(self) -> None:
-        if self.period <= 0:
-            return
-        deadline = trio.current_time()
-        while True:
-            if not self._lot:
-                # Nobody is streaming: sleep until someone is, rather than wake every ITL for
-                # nothing (an idle engine would burn a few percent of a core, times every sim
-                # engine in a capacity test).
-                self._wanted = trio.Event()
-                await self._wanted.wait()
-                deadline = trio.current_time()
-            # Drift-free while we keep up; after a stall, skip the missed ticks rather than
-            # firing them back to back (a gap must never be shorter than the ITL).
-            deadline = max(deadline + self.period, trio.current_time())
-            await trio.sleep_until(deadline)
-            self._lot.unpark_all()
-
-    async def tick(self) -> None:
-        if self.period <= 0:
-            await trio.lowlevel.checkpoint()
-        else:
-            self._wanted.set()
-            await self._lot.park()
 
 
 class Log:
@@ -163,7 +124,7 @@ class Log:
 class SimServer:
     """One simulated engine: its state ("loading", "ready", "draining"), its counters, its HTTP."""
 
-    def __init__(self, config: SimConfig, log: Log) -> None:
+    def __init__(self, config: SimConfig, log: Log, environ: Mapping[str, str] | None = None) -> None:
         self.config = config
         self.log = log
         self.stats = Stats()
@@ -173,7 +134,7 @@ class SimServer:
         self._inflight = 0
         self._idle = trio.Event()
         self._idle.set()
-        self.ticker = Ticker(config.itl_ms / 1000)
+        self.engine = EngineLoop(config, log, os.environ if environ is None else environ)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -373,7 +334,9 @@ class SimServer:
                 conn,
                 stream,
                 200,
-                self.stats.exposition(self.config.served_model_name),
+                self.stats.exposition(
+                    self.config.served_model_name, self.engine.metrics(self.config.served_model_name)
+                ),
                 content_type="text/plain; version=0.0.4; charset=utf-8",
             )
             return 200
@@ -419,6 +382,16 @@ class SimServer:
                 self.config.default_max_tokens,
                 self.config.max_model_len,
             )
+            needed = plan.prompt_tokens + plan.completion_tokens
+            if needed > self.engine.capacity_tokens:
+                # vLLM refuses at startup a max_model_len its KV cache cannot hold; a smaller
+                # cache (--num-gpu-blocks-override) still must not take a request it can never fit.
+                raise generate.BadRequest(
+                    f"the request needs {needed} tokens of KV cache and the engine holds "
+                    f"{self.engine.capacity_tokens} ({self.config.num_gpu_blocks} blocks of "
+                    f"{self.config.block_size})",
+                    "max_tokens",
+                )
         except ValueError as exc:  # JSONDecodeError and BadRequest are ValueErrors
             param = exc.param if isinstance(exc, generate.BadRequest) else None
             await self._send_json(conn, stream, 400, generate.error_body(str(exc), 400, param))
@@ -439,17 +412,29 @@ class SimServer:
         progress = _Progress()
         generation = trio.CancelScope()
         watcher = _Watcher(generation)
+        request = Request(shape.request_id, prompt.ids, plan.token_ids)
+        arrived = trio.current_time()
+        ticket: Ticket | None = None
         self._begin()
         try:
             with generation:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(watcher.watch, conn, stream)
                     try:
+                        # The frontend's share of the TTFT (HTTP, tokenization), then the queue.
+                        frontend = self.config.ttft_ms * self.config.time_scale / 1000
+                        if frontend > 0:
+                            await trio.sleep(frontend)
+                        if "requests" in self.config.hang:
+                            # Hung before the engine: the request takes no batch slot or blocks.
+                            ticket = Ticket(request, arrived)
+                        else:
+                            ticket = self.engine.submit(request, arrived)
                         if streaming:
                             events = shape.stream(plan, include_usage)
-                            await self._stream(conn, stream, events, progress)
+                            await self._stream(conn, stream, events, progress, ticket)
                         else:
-                            await self._wait_tokens(plan.completion_tokens)
+                            await self._wait_tokens(ticket, plan.completion_tokens)
                             doc = json.dumps(shape.full_response(plan)).encode()
                             self.stats.tokens_generated += plan.completion_tokens
                             await self._send_simple(conn, stream, 200, doc)
@@ -458,6 +443,8 @@ class SimServer:
                         watcher.gone = True
                     nursery.cancel_scope.cancel()
         finally:
+            if ticket is not None:
+                self.engine.release(ticket)
             self._end()
         if watcher.gone and not progress.completed:
             self.stats.cancelled += 1
@@ -466,12 +453,11 @@ class SimServer:
         # and the next read on the connection sees the same end-of-file and closes it.
         return 200
 
-    async def _wait_tokens(self, count: int) -> None:
-        """The time a non-streamed response takes: TTFT, then one ITL per further token."""
+    async def _wait_tokens(self, ticket: Ticket, count: int) -> None:
+        """A non-streamed response waits for the engine to produce all its tokens."""
         if "requests" in self.config.hang:
             await trio.sleep_forever()
-        seconds = (self.config.ttft_ms + max(count - 1, 0) * self.config.itl_ms) / 1000
-        await trio.sleep(seconds)
+        await ticket.wait(count)
 
     async def _stream(
         self,
@@ -479,9 +465,10 @@ class SimServer:
         stream: trio.SocketStream,
         events: Iterator[tuple[bytes, bool]],
         progress: _Progress,
+        ticket: Ticket,
     ) -> None:
-        """Send SSE events: the first token after TTFT, each later one after an ITL; the role
-        chunk, the final chunk, usage and ``[DONE]`` go out without delay, as vLLM sends them."""
+        """Send SSE events, each token as soon as the engine's step produced it; the role chunk,
+        the final chunk, usage and ``[DONE]`` go out without delay, as vLLM sends them."""
         headers = [
             ("content-type", "text/event-stream"),
             ("cache-control", "no-cache"),
@@ -490,14 +477,11 @@ class SimServer:
         await stream.send_all(_out(conn, h11.Response(status_code=200, headers=headers)))
         if "requests" in self.config.hang:
             await trio.sleep_forever()
-        first = True
+        sent = 0
         for event, is_token in events:
             if is_token:
-                if first:
-                    await trio.sleep(self.config.ttft_ms / 1000)
-                    first = False
-                else:
-                    await self.ticker.tick()
+                sent += 1
+                await ticket.wait(sent)
             else:
                 await trio.lowlevel.checkpoint()
             await _write(stream, _out(conn, h11.Data(data=event)))
@@ -566,7 +550,11 @@ async def run(config: SimConfig, out: TextIO = sys.stdout) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_signals.remove(signal.SIGTERM)
         log("ignoring SIGTERM (LLMGW_SIM_HANG=sigterm)")
-    server = SimServer(config, log)
+    try:
+        server = SimServer(config, log)
+    except OSError as exc:  # the KV events endpoints could not be opened
+        log(str(exc))
+        return 1
     outcome: list[int] = []
     with trio.open_signal_receiver(*stop_signals) as signals:
         async with trio.open_nursery() as nursery:
@@ -589,7 +577,7 @@ async def run(config: SimConfig, out: TextIO = sys.stdout) -> int:
                         await server.serve_listeners(listeners, nursery)
 
                 nursery.start_soon(accept)
-            nursery.start_soon(server.ticker.run)
+            nursery.start_soon(server.engine.run)
             nursery.start_soon(server.load, nursery.cancel_scope, outcome)
             if config.exit_after > 0:
                 nursery.start_soon(server.crash_after, nursery.cancel_scope, outcome)
