@@ -116,7 +116,7 @@ async def test_a_stream_reset_while_its_register_is_acknowledged_leaves_no_ghost
     import h2.errors
     import h2.settings
 
-    from schema import framing
+    from schema import envelope
 
     fleet = Fleet(15, 300)
     svc = AgentService(fleet, insecure=True)
@@ -140,7 +140,7 @@ async def test_a_stream_reset_while_its_register_is_acknowledged_leaves_no_ghost
         ],
     )
     register = schema.AgentMessage(message_id=1, register=schema.Register(node_id="n1"))
-    conn.send_data(sid, framing.encode(bytes(register)))
+    conn.send_data(sid, envelope.encode(bytes(register)))
     await sock.send_all(conn.data_to_send())
     await poll_until("n1 registered", lambda: "n1" in fleet.nodes)
     conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import schema
-from schema import framing
+from schema import envelope
 from schema.rpc import (
     Code,
     decode_connect_end_stream,
@@ -44,12 +44,12 @@ def test_messages_round_trip_with_oneof() -> None:
 
 @given(st.lists(st.binary(max_size=300), max_size=20), st.integers(min_value=1, max_value=64))
 def test_decoder_reassembles_any_chunking(payloads: list[bytes], chunk: int) -> None:
-    wire = b"".join(framing.encode(p) for p in payloads)
-    dec = framing.EnvelopeDecoder()
+    wire = b"".join(envelope.encode(p) for p in payloads)
+    dec = envelope.EnvelopeDecoder()
     out: list[bytes] = []
     for i in range(0, len(wire), chunk):
         dec.receive_data(wire[i : i + chunk])
-        while isinstance(ev := dec.next_event(), framing.Envelope):
+        while isinstance(ev := dec.next_event(), envelope.Envelope):
             out.append(ev.payload)
     dec.receive_data(b"")
     assert dec.next_event() is None
@@ -57,23 +57,23 @@ def test_decoder_reassembles_any_chunking(payloads: list[bytes], chunk: int) -> 
 
 
 def test_oversized_length_is_refused_from_the_header_alone() -> None:
-    dec = framing.EnvelopeDecoder(max_size=1024)
-    dec.receive_data(framing.HEADER.pack(0, 4 * 1024**3 - 1))
-    with pytest.raises(framing.MessageTooLarge, match=r"incoming message of 4294967295 bytes exceeds"):
+    dec = envelope.EnvelopeDecoder(max_size=1024)
+    dec.receive_data(envelope.HEADER.pack(0, 4 * 1024**3 - 1))
+    with pytest.raises(envelope.MessageTooLarge, match=r"incoming message of 4294967295 bytes exceeds"):
         dec.next_event()
 
 
 def test_outgoing_oversized_is_refused() -> None:
-    with pytest.raises(framing.MessageTooLarge, match="outgoing"):
-        framing.encode(b"x" * 11, max_size=10)
+    with pytest.raises(envelope.MessageTooLarge, match="outgoing"):
+        envelope.encode(b"x" * 11, max_size=10)
 
 
 def test_truncated_envelope_is_named() -> None:
-    dec = framing.EnvelopeDecoder()
-    dec.receive_data(framing.encode(b"hello")[:-2])
-    assert dec.next_event() is framing.NEED_DATA
+    dec = envelope.EnvelopeDecoder()
+    dec.receive_data(envelope.encode(b"hello")[:-2])
+    assert dec.next_event() is envelope.NEED_DATA
     dec.receive_data(b"")
-    with pytest.raises(framing.TruncatedEnvelope, match=r"8 byte\(s\) of 10 received"):
+    with pytest.raises(envelope.TruncatedEnvelope, match=r"8 byte\(s\) of 10 received"):
         dec.next_event()
 
 

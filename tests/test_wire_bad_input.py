@@ -14,7 +14,7 @@ from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 import schema
 from agent.transport import Code, RpcError, StreamOptions, open_stream
 from control.transport import StreamServer
-from schema import framing
+from schema import envelope
 from tests.rawh2 import RawPeer, raw_call
 from tests.wirepeers import heartbeat, nursery_handler, register
 
@@ -45,27 +45,27 @@ async def test_garbage_bytes_get_a_goaway_that_says_why(bystander: tuple[int, ob
 
 async def test_truncated_envelope(bystander: tuple[int, object]) -> None:
     port, _ = bystander
-    res = await raw_call(port, framing.encode(bytes(heartbeat(1)))[:-3])
+    res = await raw_call(port, envelope.encode(bytes(heartbeat(1)))[:-3])
     assert res.grpc_status == str(int(Code.INTERNAL))
     assert "stream ended inside an envelope" in res.grpc_message
 
 
 async def test_oversized_length_is_refused_from_the_header(bystander: tuple[int, object]) -> None:
     port, _ = bystander
-    res = await raw_call(port, framing.HEADER.pack(0, 3 * 1024**3), end_stream=False)
+    res = await raw_call(port, envelope.HEADER.pack(0, 3 * 1024**3), end_stream=False)
     assert res.grpc_status == str(int(Code.RESOURCE_EXHAUSTED))
     # A stream's first message (the Register) is bounded tighter than the rest: 1 MiB, not 4.
     assert "exceeds the limit of 1048576 bytes" in res.grpc_message
     # Later messages are bounded by the stream's limit: after a small first message, 4 MiB.
-    ok = framing.encode(b"")
-    res = await raw_call(port, ok + framing.HEADER.pack(0, 5 * 1024**2), end_stream=False)
+    ok = envelope.encode(b"")
+    res = await raw_call(port, ok + envelope.HEADER.pack(0, 5 * 1024**2), end_stream=False)
     assert "exceeds the limit of 4194304 bytes" in res.grpc_message
 
 
 async def test_malformed_protobuf(bystander: tuple[int, object]) -> None:
     port, _ = bystander
     # Field 10 (register) announces 16 bytes and carries 3.
-    res = await raw_call(port, framing.encode(b"\x52\x10abc"))
+    res = await raw_call(port, envelope.encode(b"\x52\x10abc"))
     assert res.grpc_status == str(int(Code.INTERNAL))
     assert "malformed AgentMessage (5 bytes)" in res.grpc_message
 
@@ -82,7 +82,7 @@ async def test_wrong_content_type_through_our_client_is_a_typed_error(
 ) -> None:
     # A plain HTTP/2 web server answers 404 to our path: the client maps it per the gRPC spec.
     _, port = echo_server
-    res = await raw_call(port, framing.encode(b""), path="/elsewhere")
+    res = await raw_call(port, envelope.encode(b""), path="/elsewhere")
     assert res.grpc_status == str(int(Code.UNIMPLEMENTED))
     assert "/llmgw.v1.AgentService/Connect" in res.grpc_message
 
@@ -98,19 +98,19 @@ async def test_http1_request_on_the_h2_port(bystander: tuple[int, object]) -> No
 async def test_peer_that_stalls_mid_message(bystander: tuple[int, object]) -> None:
     port, _ = bystander
     # Five bytes of a 100-byte message, then nothing: the fixture's stall_timeout is 1 s.
-    res = await raw_call(port, framing.HEADER.pack(0, 100) + b"12345", end_stream=False)
+    res = await raw_call(port, envelope.HEADER.pack(0, 100) + b"12345", end_stream=False)
     assert res.grpc_status == str(int(Code.DEADLINE_EXCEEDED))
     assert "10 byte(s) of 105 of a message and then nothing for 1 s" in res.grpc_message
 
 
 async def test_connect_protocol_errors_arrive_as_end_stream_json(bystander: tuple[int, object]) -> None:
     port, _ = bystander
-    res = await raw_call(port, framing.encode(b"\x08"), content_type="application/connect+proto")
+    res = await raw_call(port, envelope.encode(b"\x08"), content_type="application/connect+proto")
     assert res.status == "200"
-    dec = framing.EnvelopeDecoder()
+    dec = envelope.EnvelopeDecoder()
     dec.receive_data(res.body)
     env = dec.next_event()
-    assert isinstance(env, framing.Envelope) and env.end_stream
+    assert isinstance(env, envelope.Envelope) and env.end_stream
     assert b'"code":"internal"' in env.payload and b"malformed AgentMessage" in env.payload
 
 
@@ -186,7 +186,7 @@ async def test_a_stream_reset_as_it_opens_is_no_violation(
     caplog.set_level(logging.INFO, logger="llmgw.control.transport")
     port, _ = bystander
     peer = await RawPeer.connect(port)
-    message = framing.encode(bytes(heartbeat(77)))
+    message = envelope.encode(bytes(heartbeat(77)))
     await peer.send(peer.headers(1) + peer.rst(1) + peer.headers(3) + peer.data(3, message, end_stream=True))
 
     def trailers(frames: list[Frame]) -> bool:
@@ -197,7 +197,7 @@ async def test_a_stream_reset_as_it_opens_is_no_violation(
     frames = await peer.read_until("stream 3's trailers", trailers)
     await peer.aclose()
     answer = b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == 3)
-    ack = schema.ControlMessage.parse(answer[framing.HEADER_SIZE :]).ack
+    ack = schema.ControlMessage.parse(answer[envelope.HEADER_SIZE :]).ack
     assert ack is not None and ack.message_id == 77
     assert not any(isinstance(f, GoAwayFrame) for f in frames)
     assert _transport_records(caplog) == []
@@ -226,7 +226,7 @@ async def test_lost_agent_is_one_info_line_naming_node_and_address(
         peer = await RawPeer.connect(port)
         address = f"127.0.0.1:{peer.sock.socket.getsockname()[1]}"
         # The node id is the peer's own words: a newline in it must not forge a second log line.
-        message = framing.encode(bytes(register("gpu-x\nERROR forged")))
+        message = envelope.encode(bytes(register("gpu-x\nERROR forged")))
         await peer.send(peer.headers(1) + peer.data(1, message))
         await peer.read_until("the Register's ack", lambda fs: any(isinstance(f, DataFrame) for f in fs))
         await peer.aclose()  # what the kernel does for a process killed with SIGKILL

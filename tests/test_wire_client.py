@@ -72,7 +72,7 @@ async def test_oversized_outgoing_message_is_refused_before_sending(
 ) -> None:
     _, port = echo_server
     async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(max_message_size=1024)) as stream:
-        from schema.framing import MessageTooLarge
+        from schema.envelope import MessageTooLarge
 
         with pytest.raises(MessageTooLarge, match="outgoing message of"):
             await stream.send(register("x", hostname="h" * 2000))

@@ -24,7 +24,7 @@ from agent.transport import (
     open_stream,
 )
 from control.transport import ServerLimits, StreamServer
-from schema import framing
+from schema import envelope
 from tests.rawh2 import split_frames
 from tests.support import BlackHoleProxy
 from tests.wirepeers import echo_handler, heartbeat
@@ -140,7 +140,7 @@ async def _goaway_then_frames_server(
         ping = PingFrame(0)
         ping.opaque_data = b"12345678"
         message = DataFrame(1)
-        message.data = framing.encode(bytes(heartbeat(9)))
+        message.data = envelope.encode(bytes(heartbeat(9)))
         await sock.send_all(
             b"".join(bytes(f.serialize()) for f in (goaway, conn_window, stream_window, ping, message))
         )

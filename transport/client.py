@@ -31,7 +31,7 @@ import h2.exceptions
 import trio
 from h2.errors import ErrorCodes
 
-from schema import framing
+from schema import envelope
 from schema.rpc import Code, RpcError, decode_connect_end_stream, decode_grpc_message, http_status_to_code
 from transport.h2io import ConnectionLost, H2Stream, H2Transport, PeerUnresponsive, TransportError, peer_text
 
@@ -47,7 +47,7 @@ class CallOptions:
     #: Seconds between PINGs, and how long an answer may take.
     keepalive_interval: float = 5.0
     keepalive_timeout: float = 5.0
-    max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE
+    max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE
     #: Extra request headers (lower-case names), e.g. ``{"authorization": "Bearer ..."}``.
     metadata: Mapping[str, str] = attrs.field(factory=dict)
     user_agent: str = "llmgw"
@@ -385,7 +385,7 @@ async def server_stream(
                     *((k.lower(), v) for k, v in options.metadata.items()),
                 ]
                 conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
-                await st.send_data(framing.encode(request, 0, options.max_message_size), end_stream=True)
+                await st.send_data(envelope.encode(request, 0, options.max_message_size), end_stream=True)
                 nursery.start_soon(transport.keepalive, options.keepalive_interval, options.keepalive_timeout)
                 try:
                     yield ServerStreamCall(st)

@@ -26,7 +26,7 @@ import trio
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame
 
-from schema import framing
+from schema import envelope
 
 _CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -378,12 +378,12 @@ class H2Stream:
         self,
         transport: H2Transport,
         stream_id: int,
-        max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE,
+        max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         self.transport = transport
         self.stream_id = stream_id
         self.max_message_size = max_message_size
-        self.decoder = framing.EnvelopeDecoder(max_message_size)
+        self.decoder = envelope.EnvelopeDecoder(max_message_size)
         self.remote_ended = False
         self.local_ended = False
         self.error: TransportError | None = None
@@ -391,7 +391,7 @@ class H2Stream:
         self._deferred_ack = 0
         # Keep acknowledging while what is buffered fits in one maximal message: enough for any single
         # message to arrive whole, and a bound on what a consumer that stopped reading can cost us.
-        self._ack_limit = max_message_size + framing.HEADER_SIZE
+        self._ack_limit = max_message_size + envelope.HEADER_SIZE
         transport.streams[stream_id] = self
 
     # -- inbound ---------------------------------------------------------------------------------
@@ -432,16 +432,16 @@ class H2Stream:
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             pass
 
-    async def receive_envelope(self, stall_timeout: float = math.inf) -> framing.Envelope | None:
+    async def receive_envelope(self, stall_timeout: float = math.inf) -> envelope.Envelope | None:
         """The next envelope, or ``None`` once the peer ended the stream cleanly.
 
-        Raises the stream's :class:`TransportError`, :class:`framing.FramingError` for bytes that are
+        Raises the stream's :class:`TransportError`, :class:`envelope.FramingError` for bytes that are
         not envelopes, and :class:`StalledMessage` when part of a message arrived and the rest did not
         within ``stall_timeout`` seconds (a peer that stalls mid-message must not hold a slot forever).
         """
         while True:
             event = self.decoder.next_event()
-            if isinstance(event, framing.Envelope):
+            if isinstance(event, envelope.Envelope):
                 if self._deferred_ack and self.decoder.buffered <= self._ack_limit:
                     self._acknowledge(self._deferred_ack)
                     self._deferred_ack = 0
@@ -502,7 +502,7 @@ class H2Stream:
                 return
 
     async def send_message(self, payload: bytes, flags: int = 0) -> None:
-        await self.send_data(framing.encode(payload, flags, self.max_message_size))
+        await self.send_data(envelope.encode(payload, flags, self.max_message_size))
 
     async def reset(self, error_code: ErrorCodes = ErrorCodes.CANCEL) -> None:
         """RST_STREAM, best effort (the stream or the connection may already be gone)."""

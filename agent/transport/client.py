@@ -45,7 +45,7 @@ from h2.errors import ErrorCodes
 import schema
 from agent import __version__
 from agent.transport.tls import ClientTLS
-from schema import framing
+from schema import envelope
 from schema.rpc import (
     Code,
     RpcError,
@@ -82,7 +82,7 @@ class StreamOptions:
     #: detected within ``keepalive_interval + keepalive_timeout`` rather than after TCP's minutes.
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 5.0
-    max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE
+    max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE
     #: Extra request headers, e.g. ``{"authorization": "Bearer ..."}``.
     metadata: Mapping[str, str] = attrs.field(factory=dict)
 
@@ -391,11 +391,11 @@ class _WsClientStream(AgentStream):
             raise self._closed(exc) from exc
         if isinstance(data, str):
             raise RpcError(Code.INTERNAL, "text WebSocket message from the server; expected binary envelopes")
-        decoder = framing.EnvelopeDecoder(self.options.max_message_size)
+        decoder = envelope.EnvelopeDecoder(self.options.max_message_size)
         decoder.receive_data(bytes(data))
         decoder.receive_data(b"")
         env = decoder.next_event()
-        if not isinstance(env, framing.Envelope) or decoder.next_event() is not None:
+        if not isinstance(env, envelope.Envelope) or decoder.next_event() is not None:
             raise RpcError(Code.INTERNAL, "each WebSocket message must hold exactly one envelope")
         if env.end_stream:
             self.done = True
@@ -409,7 +409,7 @@ class _WsClientStream(AgentStream):
         if self.error is not None:
             raise self.error
         try:
-            await self.ws.send_message(framing.encode(bytes(message), 0, self.options.max_message_size))
+            await self.ws.send_message(envelope.encode(bytes(message), 0, self.options.max_message_size))
         except trio_websocket.ConnectionClosed as exc:
             raise self._closed(exc) from exc
 
@@ -418,7 +418,7 @@ class _WsClientStream(AgentStream):
             return
         self.local_ended = True
         try:
-            await self.ws.send_message(framing.encode(b"{}", framing.FLAG_END_STREAM))
+            await self.ws.send_message(envelope.encode(b"{}", envelope.FLAG_END_STREAM))
         except trio_websocket.ConnectionClosed as exc:
             raise self._closed(exc) from exc
 
@@ -466,7 +466,7 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
                         f"{host}:{port}",
                         path,
                         extra_headers=extra,
-                        max_message_size=options.max_message_size + framing.HEADER_SIZE,
+                        max_message_size=options.max_message_size + envelope.HEADER_SIZE,
                     )
             except trio_websocket.HandshakeError as exc:
                 raise ConnectionLost(_ws_refused(url, exc)) from exc

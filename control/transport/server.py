@@ -47,7 +47,7 @@ from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 import schema
 from control.transport.bursts import BurstLog
-from schema import framing
+from schema import envelope
 from schema.fastpath import decode_agent_message
 from schema.rpc import Code, RpcError, encode_connect_end_stream, encode_grpc_message
 from transport.h2io import H2Stream, H2Transport, StalledMessage, TransportError, peer_text
@@ -91,7 +91,7 @@ class ServerTLS:
 class ServerLimits:
     """Bounds on what one peer can cost the server, and the timings of keepalive and shutdown."""
 
-    max_message_size: int = framing.DEFAULT_MAX_MESSAGE_SIZE
+    max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE
     #: The first message of a stream (the Register) comes before anything the peer says is believed,
     #: so it gets a tighter bound: a forged 30,000-GPU Register is refused by its envelope header,
     #: before its bytes are buffered or parsed. A real Register is a few KiB (64 GPUs, a few shards).
@@ -298,9 +298,9 @@ class _H2ServerStream(H2Stream, ServerStream):
         )
         try:
             env = await self.receive_envelope(limits.stall_timeout)
-        except framing.MessageTooLarge as exc:
+        except envelope.MessageTooLarge as exc:
             await self._refuse(Code.RESOURCE_EXHAUSTED, str(exc))
-        except framing.FramingError as exc:
+        except envelope.FramingError as exc:
             await self._refuse(Code.INTERNAL, f"malformed envelope: {exc}")
         except StalledMessage as exc:
             await self._refuse(Code.DEADLINE_EXCEEDED, str(exc))
@@ -331,7 +331,7 @@ class _H2ServerStream(H2Stream, ServerStream):
         try:
             if self.protocol == "connect":
                 payload = encode_connect_end_stream(code, message)
-                await self.send_data(framing.encode(payload, framing.FLAG_END_STREAM), end_stream=True)
+                await self.send_data(envelope.encode(payload, envelope.FLAG_END_STREAM), end_stream=True)
             else:
                 trailers = [(b"grpc-status", str(int(code)).encode())]
                 if message:
@@ -374,7 +374,7 @@ class _WsServerStream(ServerStream):
         if isinstance(data, str):
             await self._refuse(Code.INTERNAL, "text WebSocket message; envelopes travel in binary messages")
         limits = self.server.limits
-        decoder = framing.EnvelopeDecoder(
+        decoder = envelope.EnvelopeDecoder(
             min(limits.max_message_size, limits.max_first_message_size)
             if self.received == 0
             else limits.max_message_size
@@ -384,11 +384,11 @@ class _WsServerStream(ServerStream):
         try:
             env = decoder.next_event()
             extra = decoder.next_event()
-        except framing.MessageTooLarge as exc:
+        except envelope.MessageTooLarge as exc:
             await self._refuse(Code.RESOURCE_EXHAUSTED, str(exc))
-        except framing.FramingError as exc:
+        except envelope.FramingError as exc:
             await self._refuse(Code.INTERNAL, f"malformed envelope: {exc}")
-        if not isinstance(env, framing.Envelope) or extra is not None:
+        if not isinstance(env, envelope.Envelope) or extra is not None:
             await self._refuse(Code.INTERNAL, "each WebSocket message must hold exactly one envelope")
         if env.end_stream:
             return None
@@ -412,7 +412,7 @@ class _WsServerStream(ServerStream):
         if self.finished:
             raise RpcError(Code.FAILED_PRECONDITION, "stream already ended")
         try:
-            await self.ws.send_message(framing.encode(bytes(message), 0, self.server.limits.max_message_size))
+            await self.ws.send_message(envelope.encode(bytes(message), 0, self.server.limits.max_message_size))
         except trio_websocket.ConnectionClosed as exc:
             raise self._closed(exc) from exc
 
@@ -421,7 +421,7 @@ class _WsServerStream(ServerStream):
             return
         self.finished = True
         try:
-            end = framing.encode(encode_connect_end_stream(code, message), framing.FLAG_END_STREAM)
+            end = envelope.encode(encode_connect_end_stream(code, message), envelope.FLAG_END_STREAM)
             await self.ws.send_message(end)
             await self.ws.aclose(1000)
         except trio_websocket.ConnectionClosed:
@@ -772,7 +772,7 @@ class StreamServer:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(self.limits.handshake_timeout) as hs:
                 request = await trio_websocket.wrap_server_stream(
-                    nursery, stream, max_message_size=self.limits.max_message_size + framing.HEADER_SIZE
+                    nursery, stream, max_message_size=self.limits.max_message_size + envelope.HEADER_SIZE
                 )
                 metadata = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
                 if self._shutting_down or len(self._streams) >= self.limits.max_streams:
@@ -930,7 +930,7 @@ class StreamServer:
             if content_type == CONNECT_CONTENT_TYPE:
                 conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", content_type)])
                 payload = encode_connect_end_stream(code, message)
-                conn.send_data(stream_id, framing.encode(payload, framing.FLAG_END_STREAM), end_stream=True)
+                conn.send_data(stream_id, envelope.encode(payload, envelope.FLAG_END_STREAM), end_stream=True)
             else:
                 conn.send_headers(
                     stream_id,
