@@ -45,7 +45,7 @@ def _default_engines() -> dict[str, str]:
     return {d.name: d.default_command() for d in enginedefs.DESCRIPTORS}
 
 
-#: URL schemes the transport speaks (``agent.transport.client.open_stream``): HTTP/2 cleartext with
+#: URL schemes the transport speaks (``transport.agentstream.open_stream``): HTTP/2 cleartext with
 #: prior knowledge, HTTP/2 over TLS, and WebSocket without and with TLS.
 SERVER_SCHEMES: tuple[str, ...] = ("http", "https", "ws", "wss")
 

@@ -36,7 +36,7 @@ from agent.metrics import AgentMetrics
 from agent.session import Session, SessionResult, read_credential, write_credential
 from agent.supervise import LivenessProbe, Supervisor, probe_address
 from agent.supervise.supervisor import TEST_KILL_AT_ENV
-from agent.transport import ClientTLS, GoAwayReceived, StreamOptions, TransportError, open_stream
+from transport import ClientTLS, GoAwayReceived, StreamOptions, TransportError, open_stream
 
 log = logging.getLogger("llmgw.agent")
 
@@ -140,6 +140,7 @@ def stream_options(config: AgentConfig) -> StreamOptions:
         keepalive_timeout=max(min(config.heartbeat_interval * 2, 20.0), 1.0),
         metadata=metadata,
         settings_timeout=config.settings_timeout,
+        user_agent=f"llmgw-agent/{__version__}",
     )
 
 

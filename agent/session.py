@@ -32,7 +32,7 @@ from agent.discovery.model import GpuUsage
 from agent.engines import ProfileRefused
 from agent.metrics import AgentMetrics
 from agent.supervise import Shard, Supervisor
-from agent.transport import AgentStream, GoAwayReceived, RpcError, TransportError
+from transport import AgentStream, GoAwayReceived, RpcError, TransportError
 
 log = logging.getLogger("llmgw.agent.session")
 

@@ -31,7 +31,7 @@ import trio
 
 import schema
 from bench.children import Child
-from control.transport import ServerStream, StreamServer
+from transport import ServerStream, StreamServer
 
 ROOT = Path(__file__).resolve().parent.parent
 INVENTORY = ROOT / "tests" / "fixtures" / "inventory" / "h100x8.toml"

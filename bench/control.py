@@ -120,7 +120,7 @@ async def _node(
     url: str, node_id: str, token: str, heartbeat: float, registered: set[str], changed: list[trio.Event]
 ) -> None:
     from agent.nursery import backoff_delay
-    from agent.transport import StreamOptions, open_stream
+    from transport import StreamOptions, open_stream
 
     rng = random.Random(node_id)
     attempt = 0

@@ -74,7 +74,7 @@ def _rss_kib(pid: int) -> int:
 
 
 async def _serve_ours() -> None:
-    from control.transport import ServerLimits, ServerStream, StreamServer
+    from transport import ServerLimits, ServerStream, StreamServer
 
     async def echo(stream: ServerStream) -> None:
         async for msg in stream:
@@ -144,7 +144,7 @@ async def _latency_ours(port: int, size: Size) -> dict[str, float]:
 
 
 async def _latency_ours_unbounded(port: int, size: Size) -> dict[str, float]:
-    from agent.transport import StreamOptions, open_stream
+    from transport import StreamOptions, open_stream
 
     async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(keepalive_interval=300)) as stream:
         samples = []
@@ -210,7 +210,7 @@ async def _latency_grpcio_unbounded(port: int, size: Size) -> dict[str, float]:
 
 async def _hold_ours(port: int, count: int, ready: trio.Event, release: trio.Event) -> int:
     """Open ``count`` connections with one stream each, each answered once, then hold them."""
-    from agent.transport import StreamOptions, open_stream
+    from transport import StreamOptions, open_stream
 
     opened = 0
     all_open = trio.Event()

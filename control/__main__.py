@@ -301,7 +301,7 @@ def _api_tls_problem(config: ControlConfig, text: str, source: str) -> str:
     """Why ``[api.tls]``'s certificate, key or client CA cannot be loaded; "" when they can (or
     there is no ``[api.tls]``). Found before serving, as one line, rather than as a traceback from
     inside the admin API's start."""
-    from control.transport import ServerTLS
+    from transport import ServerTLS
 
     tls = config.api.tls
     if tls is None:

@@ -33,9 +33,9 @@ import trio
 import schema
 from control.fleet import Fleet, Transition
 from control.joins import JoinBook, same_secret
-from control.transport import ServerStream
 from schema.ids import NODE_ID, node_id_problem, shard_id_problem
 from schema.rpc import Code, RpcError
+from transport import ServerStream
 from transport.h2io import peer_text
 
 log = logging.getLogger("llmgw.control.agentsvc")

@@ -1,7 +1,7 @@
 """The admin HTTP JSON API that ``ctl`` speaks: nodes, replicas, why, logs, drain.
 
 A small ASGI app served by hypercorn over HTTP/1.1 on the admin address (never on the agent port: the
-agent port's HTTP/2 is ours, for the reasons in ``control.transport``). Times are reported as
+agent port's HTTP/2 is ours, for the reasons in ``transport.server``). Times are reported as
 "seconds ago" on the control plane's monotonic clock, the only clock liveness is judged on (events
 carry a UTC wall-clock time as well).
 
@@ -85,7 +85,7 @@ from control.notfound import unknown_model, unknown_node
 from control.placement import model_name_of
 from control.query import CatalogConflict, Change, ControlQuery, ControlView, DrainRefused, engine_views
 from control.routetable import serving_replicas
-from control.transport import ServerTLS
+from transport import ServerTLS
 
 log = logging.getLogger("llmgw.control.api")
 

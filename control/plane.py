@@ -72,8 +72,8 @@ from control.rollout import (
 from control.routetable import route_table
 from control.routewatch import RouteWatch
 from control.state import STATE_FILE, SavedState, StateFileError, StateSaver, read_state, set_aside
-from control.transport import ServerLimits, ServerTLS, StreamServer
 from router.routes import ModelRoutes
+from transport import ServerLimits, ServerTLS, StreamServer
 
 log = logging.getLogger("llmgw.control")
 State = schema.ShardState

@@ -35,9 +35,9 @@ import trio
 
 import schema
 from control.fleet import Node, NodeState
-from control.transport import Handler, ServerStream
 from router.routes import ModelRoutes
 from schema.rpc import Code, RpcError
+from transport import Handler, ServerStream
 from transport.h2io import peer_text
 
 log = logging.getLogger("llmgw.control.routewatch")

@@ -109,3 +109,45 @@ def decode_connect_end_stream(payload: bytes) -> RpcError | None:
     if not isinstance(error, dict):
         return RpcError(Code.INTERNAL, "malformed Connect end-of-stream JSON: 'error' is not an object")
     return RpcError(Code.from_connect_name(str(error.get("code", "unknown"))), str(error.get("message", "")))
+
+
+# -- how a call says which protocol it speaks --------------------------------------------------------
+
+#: gRPC's content types: plain, and with the codec named (what grpcio and connect-go send).
+GRPC_CONTENT_TYPE = "application/grpc"
+GRPC_PROTO_CONTENT_TYPE = "application/grpc+proto"
+GRPC_CONTENT_TYPES = (GRPC_CONTENT_TYPE, GRPC_PROTO_CONTENT_TYPE)
+#: The Connect streaming protocol's content type (protobuf codec).
+CONNECT_CONTENT_TYPE = "application/connect+proto"
+
+#: The protocols a call on an HTTP/2 stream speaks, by name (``StreamOptions.protocol`` and the like).
+PROTOCOLS = ("grpc", "connect")
+
+
+def protocol_of(content_type: str) -> str | None:
+    """``grpc`` or ``connect`` for a request's content type (parameters ignored); ``None`` if neither."""
+    base = content_type.split(";", 1)[0].strip().lower()
+    if base in GRPC_CONTENT_TYPES:
+        return "grpc"
+    if base == CONNECT_CONTENT_TYPE:
+        return "connect"
+    return None
+
+
+def request_headers(protocol: str) -> list[tuple[str, str]]:
+    """The headers that say ``protocol`` in a request: its content type, and gRPC's ``te: trailers``
+    (proxies drop trailers without it) or Connect's protocol version."""
+    if protocol == "grpc":
+        return [("content-type", GRPC_PROTO_CONTENT_TYPE), ("te", "trailers")]
+    if protocol == "connect":
+        return [("content-type", CONNECT_CONTENT_TYPE), ("connect-protocol-version", "1")]
+    raise ValueError(f"protocol {protocol!r}: expected one of {', '.join(PROTOCOLS)}")
+
+
+def grpc_status_headers(code: Code, message: str = "") -> list[tuple[bytes, bytes]]:
+    """``grpc-status`` and (when there is one) the percent-encoded ``grpc-message``: the trailers that
+    end a gRPC call, or the tail of a trailers-only response's headers."""
+    fields = [(b"grpc-status", str(int(code)).encode())]
+    if message:
+        fields.append((b"grpc-message", encode_grpc_message(message).encode()))
+    return fields

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
-from control.transport import ServerLimits, StreamServer
 from router import relay
 from tests.etcdproc import etcd, etcd_cluster  # noqa: F401 (fixtures: a real etcd, three members)
 from tests.wirepeers import echo_handler
+from transport import ServerLimits, StreamServer
 
 
 @pytest.fixture

@@ -7,11 +7,10 @@ from pathlib import Path
 import trio
 
 import schema
-from agent.transport import open_stream
 from control.agentsvc import AgentService
 from control.fleet import Fleet
-from control.transport import StreamServer
 from tests.support import apoll as poll_until
+from transport import StreamServer, open_stream
 
 
 async def _register(stream: object, node_id: str) -> None:
@@ -55,7 +54,7 @@ async def test_second_stream_replaces_the_first(nursery: trio.Nursery) -> None:
     async with open_stream(url) as old, open_stream(url) as new:
         await _register(old, "n1")
         await _register(new, "n1")
-        from agent.transport import RpcError
+        from transport import RpcError
 
         try:
             with trio.fail_after(5):
@@ -70,7 +69,7 @@ async def test_second_stream_replaces_the_first(nursery: trio.Nursery) -> None:
 
 
 async def test_per_node_token_without_tls(nursery: trio.Nursery) -> None:
-    from agent.transport import Code, RpcError
+    from transport import Code, RpcError
 
     fleet = Fleet(15, 300)
     svc = AgentService(fleet, tokens={"n1": "s3cret"})
@@ -151,7 +150,7 @@ async def test_a_stream_reset_while_its_register_is_acknowledged_leaves_no_ghost
 
 
 async def test_shard_ids_are_checked_in_register_and_shard_status(nursery: trio.Nursery) -> None:
-    from agent.transport import Code, RpcError
+    from transport import Code, RpcError
 
     fleet = Fleet(15, 300)
     svc = AgentService(fleet, insecure=True)

@@ -152,7 +152,7 @@ def test_killed_agent_is_one_info_line_naming_node_and_address(pair: Pair) -> No
     def ended() -> list[str]:
         text = pair.cp.log.read_text()
         return [
-            line for line in text.splitlines() if "llmgw.control.transport" in line and "stream ended" in line
+            line for line in text.splitlines() if "llmgw.transport.server" in line and "stream ended" in line
         ]
 
     lines = poll("the control plane to log the stream's end", ended, timeout=15)

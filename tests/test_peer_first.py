@@ -21,11 +21,19 @@ import trio
 import trustme
 from hyperframe.frame import SettingsFrame
 
-from agent.transport import ClientTLS, ConnectionLost, GoAwayReceived, StreamOptions, open_stream
-from control.transport import ServerLimits, ServerTLS, StreamServer
 from tests.fleet_procs import FIXTURES, ControlProcess, catalog, poll, terminate
 from tests.rawh2 import PREFACE, split_frames
 from tests.wirepeers import echo_handler, register
+from transport import (
+    ClientTLS,
+    ConnectionLost,
+    GoAwayReceived,
+    ServerLimits,
+    ServerTLS,
+    StreamOptions,
+    StreamServer,
+    open_stream,
+)
 
 NODE = "gpu-s2-node"
 TOKEN = "tok-s2-never-on-the-wire"

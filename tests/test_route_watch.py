@@ -15,12 +15,12 @@ import trustme
 import schema
 from control.fleet import Node, NodeState
 from control.routewatch import RouteWatch
-from control.transport import PeerIdentity, ServerStream, ServerTLS, StreamServer
 from router.routes import ModelRoutes, Upstream
 from router.watch import WatchedRoutes
 from schema.rpc import Code, RpcError
 from tests.fleet_procs import free_port, one_node
 from tests.support import apoll as _until  # another task's state, with no event to wait on
+from transport import PeerIdentity, ServerStream, ServerTLS, StreamServer
 from transport.client import CallOptions, server_stream
 
 TOKEN = "route-watch-read-token-0123456789"

@@ -9,10 +9,10 @@ import pytest
 import trio
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
-from control.transport import ServerLimits, StreamServer
-from control.transport.bursts import BurstCounter
 from tests.rawh2 import PREFACE, split_frames
 from tests.wirepeers import echo_handler
+from transport import ServerLimits, StreamServer
+from transport.bursts import BurstCounter
 
 CROWD = 300
 _LINE = r"127\.0\.0\.1:\d+: no (?:TLS handshake or request|request) within 0\.5 s(?: of the HTTP/2 preface)?; closing"
@@ -54,7 +54,7 @@ async def test_idle_connections_are_closed_and_logged_once_with_a_count(
 ) -> None:
     """``nothing``: TCP connections that send no byte; ``preface``: HTTP/2 connections that send the
     preface and SETTINGS and never open a stream (these were held as long as they answered PINGs)."""
-    logger = logging.getLogger("llmgw.control.transport")
+    logger = logging.getLogger("llmgw.transport.server")
     handler = _Lines(INDIVIDUAL, SUMMARY)
     logger.addHandler(handler)
     level = logger.level
@@ -115,7 +115,7 @@ async def test_http1_requests_on_the_agent_port_are_answered_and_logged_once(nur
         ),
         total=40,
     )
-    logger = logging.getLogger("llmgw.control.transport")
+    logger = logging.getLogger("llmgw.transport.server")
     logger.addHandler(handler)
     try:
         server = StreamServer(echo_handler, limits=ServerLimits(log_burst_interval=1.0))

@@ -10,9 +10,8 @@ import pytest
 import trio
 
 import schema
-from agent.transport import Code, GoAwayReceived, RpcError, StreamOptions, open_stream
-from control.transport import StreamServer
 from tests.wirepeers import ack, heartbeat, register
+from transport import Code, GoAwayReceived, RpcError, StreamOptions, StreamServer, open_stream
 
 CARRIERS = [("http", "grpc"), ("http", "connect"), ("ws", "grpc")]
 

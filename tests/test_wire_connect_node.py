@@ -31,9 +31,8 @@ from typing import Any
 import pytest
 import trio
 
-from agent.transport import Code, RpcError, StreamOptions, open_stream
-from control.transport import StreamServer
 from tests.wirepeers import heartbeat, register
+from transport import Code, RpcError, StreamOptions, StreamServer, open_stream
 
 REPO = Path(__file__).resolve().parent.parent
 NODE_DIR = Path(__file__).resolve().parent / "connect_node"

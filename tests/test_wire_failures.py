@@ -15,19 +15,20 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, WindowUpdateFrame
 
 import schema
-from agent.transport import (
-    GoAwayReceived,
-    PeerUnresponsive,
-    StreamOptions,
-    StreamReset,
-    TransportError,
-    open_stream,
-)
-from control.transport import ServerLimits, StreamServer
 from schema import envelope
 from tests.rawh2 import split_frames
 from tests.support import BlackHoleProxy
 from tests.wirepeers import echo_handler, heartbeat
+from transport import (
+    GoAwayReceived,
+    PeerUnresponsive,
+    ServerLimits,
+    StreamOptions,
+    StreamReset,
+    StreamServer,
+    TransportError,
+    open_stream,
+)
 
 
 @pytest.mark.chaos

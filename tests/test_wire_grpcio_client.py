@@ -11,8 +11,8 @@ import pytest
 import trio
 
 import schema
-from control.transport import StreamServer
 from tests.wirepeers import heartbeat, register
+from transport import StreamServer
 
 
 def _call(port: int) -> grpc.StreamStreamMultiCallable:

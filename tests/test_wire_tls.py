@@ -10,9 +10,16 @@ import pytest
 import trio
 import trustme
 
-from agent.transport import ClientTLS, ConnectionLost, StreamOptions, open_stream
-from control.transport import ServerLimits, ServerTLS, StreamServer
 from tests.wirepeers import echo_handler, register
+from transport import (
+    ClientTLS,
+    ConnectionLost,
+    ServerLimits,
+    ServerTLS,
+    StreamOptions,
+    StreamServer,
+    open_stream,
+)
 
 
 @attrs.frozen

@@ -13,8 +13,8 @@ from __future__ import annotations
 import trio
 
 import schema
-from control.transport import ServerStream
 from schema.rpc import Code, RpcError
+from transport import ServerStream
 
 
 def ack(message_id: int, error: str = "") -> schema.ControlMessage:

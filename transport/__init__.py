@@ -1,7 +1,49 @@
-"""The HTTP/2 (gRPC, Connect) stream machinery that the agent, the control plane and the router share.
+"""The one HTTP/2 (gRPC, Connect) and WebSocket package: the client, the server, and what they share.
 
-``schema`` is the wire contract (messages, envelope codec, status vocabulary) and stays pure; the
-sockets, trio and h2 driving live here: :mod:`transport.h2io` is the connection and stream plumbing
-both ends use; :mod:`transport.client` holds the client side of an RPC's end (``RpcClientStream``,
-which the agent's stream builds on) and a small server-streaming client (the router's route watch).
+``schema`` is the wire contract (messages, envelope codec, status vocabulary and content types) and
+stays pure; the sockets, trio and h2 driving live here:
+
+- :mod:`transport.h2io`: the connection and stream plumbing both ends use, and the typed errors;
+- :mod:`transport.client`: dial once (:func:`~transport.client.connect`), open calls on the
+  connection; the route watch's server-streaming call (:func:`~transport.client.server_stream`);
+- :mod:`transport.agentstream`: the agent's stream over gRPC, Connect or WebSocket (``open_stream``);
+- :mod:`transport.server`: the agent port (sniffing, HTTP/2, WebSocket), its socket IO and handlers;
+- :mod:`transport.h2proto`: the server's HTTP/2 event handling, sans-IO (requests, floods);
+- :mod:`transport.limits`, :mod:`transport.tls`, :mod:`transport.bursts`: the server's bounds, TLS
+  settings for both ends, and log lines that come in bursts.
 """
+
+from schema.rpc import Code, RpcError
+from transport.agentstream import AgentStream, StreamOptions, open_stream
+from transport.h2io import (
+    ConnectionLost,
+    GoAwayReceived,
+    PeerUnresponsive,
+    StalledMessage,
+    StreamReset,
+    TransportError,
+)
+from transport.limits import ServerLimits
+from transport.server import Handler, PeerIdentity, ServerStream, StreamServer
+from transport.tls import ClientTLS, ServerTLS
+
+__all__ = [
+    "AgentStream",
+    "ClientTLS",
+    "Code",
+    "ConnectionLost",
+    "GoAwayReceived",
+    "Handler",
+    "PeerIdentity",
+    "PeerUnresponsive",
+    "RpcError",
+    "ServerLimits",
+    "ServerStream",
+    "ServerTLS",
+    "StalledMessage",
+    "StreamOptions",
+    "StreamReset",
+    "StreamServer",
+    "TransportError",
+    "open_stream",
+]

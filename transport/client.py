@@ -1,26 +1,34 @@
-"""A small gRPC client for server-streaming calls over HTTP/2 (h2c or TLS), on trio and ``h2``.
+"""The HTTP/2 client: dial a server once, then open gRPC or Connect calls on the connection.
 
-The router's route watch uses it: one request message, then messages until the server ends the
-stream with a status. It is deliberately small: gRPC (``application/grpc+proto``, the default) or
-Connect (``application/connect+proto``, for proxies that mangle trailers), identity
-encoding, one stream per connection, and every wait bounded (connect, the server's SETTINGS,
-keepalive PINGs that notice a black-holed control plane within seconds instead of TCP's minutes).
+httpx cannot do full-duplex HTTP/2 and drops trailers, so the client drives ``h2`` over a trio stream
+itself (the plumbing shared with the server lives in :mod:`transport.h2io`). The layers follow
+httpcore's: :func:`dial` makes the byte stream (TCP, then TLS with ALPN), :func:`connect` makes an
+HTTP/2 :class:`ClientConnection` of it (one reader task, keepalive PINGs), and
+:meth:`ClientConnection.open_call` opens one call's stream on it (:class:`RpcClientStream`). The
+agent's stream (:mod:`transport.agentstream`) and the router's route watch (:func:`server_stream`)
+are both calls on such a connection.
 
 Nothing but the connection preface and our SETTINGS leaves before the server's SETTINGS arrive (and,
-with TLS, before a verified handshake): the request headers carry a bearer token, which is not for
-a peer that has not shown it speaks HTTP/2.
+with TLS, before a verified handshake): the request headers carry a bearer token or a node's
+metadata, which are not for a peer that has not shown it speaks HTTP/2. What answered instead names
+the likely mistake in the error (the router or admin port, TLS spoken to a plaintext port or the
+other way round).
 
 Errors are typed: :class:`schema.rpc.RpcError` for a status the server sent (or an answer that is
-not an RPC), :class:`transport.h2io.TransportError` subclasses for the connection.
+not an RPC), :class:`transport.h2io.TransportError` subclasses for the connection. Background tasks
+never raise into the caller's body; they record the error on the connection, and the next read or
+write raises it.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import socket
-import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import attrs
@@ -32,8 +40,27 @@ import trio
 from h2.errors import ErrorCodes
 
 from schema import envelope
-from schema.rpc import Code, RpcError, decode_connect_end_stream, decode_grpc_message, http_status_to_code
-from transport.h2io import ConnectionLost, H2Stream, H2Transport, PeerUnresponsive, TransportError, peer_text
+from schema.rpc import (
+    PROTOCOLS,
+    Code,
+    RpcError,
+    decode_connect_end_stream,
+    decode_grpc_message,
+    http_status_to_code,
+    request_headers,
+)
+from transport.h2io import (
+    ConnectionLost,
+    GoAwayReceived,
+    H2Stream,
+    H2Transport,
+    PeerUnresponsive,
+    TransportError,
+    peer_text,
+)
+from transport.tls import ClientTLS
+
+log = logging.getLogger("llmgw.transport.client")
 
 
 @attrs.frozen
@@ -55,7 +82,7 @@ class CallOptions:
     #: something else (the router's or the admin API's port, say).
     port_hint: str = "use the server's HTTP/2 (gRPC) address"
     #: ``grpc`` (status in trailers) or ``connect`` (status in an end-of-stream envelope).
-    protocol: str = attrs.field(default="grpc", validator=attrs.validators.in_(("grpc", "connect")))
+    protocol: str = attrs.field(default="grpc", validator=attrs.validators.in_(PROTOCOLS))
 
 
 class RpcClientStream(H2Stream):
@@ -152,35 +179,6 @@ def headers_of(raw: object) -> dict[str, str]:
     """h2's header list as a dict with lower-case names (latin-1, as HTTP/2 carries them)."""
     pairs = raw if isinstance(raw, list) else []
     return {bytes(k).decode("latin-1").lower(): bytes(v).decode("latin-1") for k, v in pairs}
-
-
-async def _connect(host: str, port: int, secure: bool, options: CallOptions) -> trio.abc.Stream:
-    try:
-        with trio.fail_after(options.connect_timeout):
-            tcp = await trio.open_tcp_stream(host, port)
-            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not secure:
-                return tcp
-            ctx = ssl.create_default_context(cafile=str(options.ca) if options.ca else None)
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-            ctx.set_alpn_protocols(["h2"])
-            tls = trio.SSLStream(tcp, ctx, server_hostname=host)
-            try:
-                await tls.do_handshake()
-            except BaseException:
-                await trio.aclose_forcefully(tls)
-                raise
-            if tls.selected_alpn_protocol() != "h2":
-                await trio.aclose_forcefully(tls)
-                raise ConnectionLost(f"{host}:{port} did not negotiate HTTP/2 over TLS (ALPN)")
-            return tls
-    except trio.TooSlowError as exc:
-        raise PeerUnresponsive(
-            f"cannot connect to {host}:{port} within {options.connect_timeout:g} s"
-        ) from exc
-    except (OSError, trio.BrokenResourceError) as exc:
-        cause = exc.__cause__ or exc
-        raise ConnectionLost(f"cannot connect to {host}:{port}: {cause}") from exc
 
 
 def diagnose_answer(first: bytes, *, tls_expected: bool, port_hint: str) -> str | None:
@@ -315,28 +313,244 @@ def closed_hint(secure: bool, port_hint: str) -> str:
     )
 
 
-async def _read_loop(transport: H2Transport, st: RpcClientStream) -> None:
-    """The connection's only reader; it records failures on the transport and never raises."""
-    while transport.error is None:
+# -- dialling ----------------------------------------------------------------------------------------
+
+
+class _Recording(trio.abc.Stream):
+    """The TCP stream under a TLS one, keeping the first bytes the server sent, so that a failed
+    handshake can say what answered instead of TLS (see :func:`diagnose_answer`)."""
+
+    def __init__(self, stream: trio.SocketStream, keep: int = 64) -> None:
+        self.stream = stream
+        self.first = b""
+        self._keep = keep
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = bytes(await self.stream.receive_some(max_bytes))
+        if len(self.first) < self._keep:
+            self.first += data[: self._keep - len(self.first)]
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def dial(
+    host: str,
+    port: int,
+    *,
+    tls: ClientTLS | None,
+    alpn: str,
+    timeout: float,
+    port_hint: str,
+) -> trio.SocketStream | trio.SSLStream[_Recording]:
+    """TCP to ``host:port`` and, with ``tls``, a verified handshake offering ``alpn`` (``h2`` or
+    ``http/1.1``), together within ``timeout`` seconds. A server that negotiates another protocol
+    than ``alpn``, or answers the handshake with something other than TLS, is refused with words
+    that name the likely mistake."""
+    where = f"{host}:{port}"
+    try:
+        with trio.fail_after(timeout):
+            try:
+                tcp = await trio.open_tcp_stream(host, port)
+            except OSError as exc:
+                raise ConnectionLost(f"cannot connect to {where}: {exc.strerror or exc}") from exc
+            tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is None:
+                return tcp
+            recording = _Recording(tcp)
+            stream = trio.SSLStream(
+                recording, tls.context([alpn]), server_hostname=tls.server_hostname or host
+            )
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError as exc:
+                await trio.aclose_forcefully(tcp)
+                cause = exc.__cause__ or exc
+                hint = diagnose_answer(recording.first, tls_expected=True, port_hint=port_hint)
+                raise ConnectionLost(
+                    f"TLS handshake with {host} failed: {cause}" + (f"; the server {hint}" if hint else "")
+                ) from exc
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+            if alpn == "h2" and stream.selected_alpn_protocol() != "h2":
+                await trio.aclose_forcefully(stream)
+                raise ConnectionLost(
+                    f"{where} did not negotiate HTTP/2 over TLS (ALPN gave "
+                    f"{stream.selected_alpn_protocol()!r}); is it an llmgw control plane? {port_hint}"
+                )
+            return stream
+    except trio.TooSlowError as exc:
+        raise PeerUnresponsive(f"cannot connect to {where} within {timeout:g} s") from exc
+
+
+@asynccontextmanager
+async def with_background(*tasks: Callable[[], Awaitable[object]]) -> AsyncIterator[trio.Nursery]:
+    """Run ``tasks`` in the background around the caller's body; the body's exception leaves as itself.
+
+    Our background tasks (reader, keepalive) never raise: they record errors for the calls to raise.
+    Without this, trio's strict exception groups would hand the caller an ExceptionGroup around its
+    own RpcError or TransportError instead of the error itself.
+    """
+    caught: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        for task in tasks:
+            nursery.start_soon(task)
         try:
-            events = await transport.receive_events()
-        except TransportError:
-            return
-        except h2.exceptions.ProtocolError as exc:
-            transport.fail(ConnectionLost(f"HTTP/2 protocol error from the server: {exc}"))
-            await transport.abort()
-            return
-        for event in events:
-            if isinstance(event, h2.events.ResponseReceived) and event.stream_id == st.stream_id:
-                st.on_response(headers_of(event.headers))
-            elif isinstance(event, h2.events.TrailersReceived) and event.stream_id == st.stream_id:
-                st.on_trailers(headers_of(event.headers))
-            else:
-                transport.handle_common(event)
-        try:
-            await transport.flush()
-        except TransportError:
-            return
+            yield nursery
+        except BaseException as exc:
+            caught = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if caught is not None:
+        raise caught
+
+
+# -- the connection ----------------------------------------------------------------------------------
+
+_Call = TypeVar("_Call", bound=RpcClientStream)
+
+
+class ClientConnection:
+    """One HTTP/2 connection to a server, as :func:`connect` made it: open calls with :meth:`open_call`.
+
+    Its one reader task feeds h2 and hands each stream its events; keepalive PINGs run beside it.
+    """
+
+    def __init__(self, transport: H2Transport, host: str, port: int, secure: bool) -> None:
+        self.transport = transport
+        self.host = host
+        self.port = port
+        self.secure = secure
+
+    def open_call(
+        self,
+        path: str,
+        *,
+        protocol: str = "grpc",
+        metadata: Mapping[str, str] | None = None,
+        user_agent: str = "llmgw",
+        max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE,
+        stream: Callable[[H2Transport, int, int, str], _Call],
+    ) -> _Call:
+        """Open a call to ``path``: its request headers are queued (sent with the next flush or
+        message) and its stream returned; ``stream`` makes the stream object
+        (:class:`RpcClientStream`, or a subclass that knows the call's messages)."""
+        conn = self.transport.conn
+        if self.transport.error is not None:
+            raise self.transport.error
+        stream_id = conn.get_next_available_stream_id()
+        headers = [
+            (":method", "POST"),
+            (":scheme", "https" if self.secure else "http"),
+            (":path", path),
+            (":authority", f"{self.host}:{self.port}"),
+            *request_headers(protocol),
+            ("user-agent", user_agent),
+            *((k.lower(), v) for k, v in (metadata or {}).items()),
+        ]
+        st = stream(self.transport, stream_id, max_message_size, protocol)
+        conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
+        return st
+
+    async def read_loop(self) -> None:
+        """The connection's only reader: socket bytes -> h2 events -> the streams.
+
+        A GOAWAY from the server (a control plane shutting down says GOAWAY with NO_ERROR) ends the
+        connection gracefully: the streams fail with :class:`GoAwayReceived`, whatever the server
+        wrote after its GOAWAY is absorbed unread (``H2Transport.feed``), and once the caller lets go
+        we answer with our own GOAWAY (RFC 9113 6.8) and nothing else. Never raises: failures are
+        recorded on the transport for the calls to raise.
+        """
+        transport = self.transport
+        while transport.error is None:
+            try:
+                events = await transport.receive_events()
+            except TransportError:
+                return
+            except h2.exceptions.ProtocolError as exc:
+                transport.fail(ConnectionLost(f"HTTP/2 protocol error from the server: {exc}"))
+                await transport.refuse(exc, str(exc))
+                await transport.abort()
+                return
+            for event in events:
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    st = transport.streams.get(int(event.stream_id or 0))
+                    if isinstance(st, RpcClientStream):
+                        if isinstance(event, h2.events.ResponseReceived):
+                            st.on_response(headers_of(event.headers))
+                        else:
+                            st.on_trailers(headers_of(event.headers))
+                elif not transport.handle_common(event):
+                    log.debug("ignored HTTP/2 event %r", event)
+            if transport.error is not None:
+                return  # a GOAWAY: the answer is sent as the connection closes (see connect)
+            try:
+                await transport.flush()
+            except TransportError:
+                return
+
+
+@asynccontextmanager
+async def connect(
+    host: str,
+    port: int,
+    *,
+    tls: ClientTLS | None = None,
+    connect_timeout: float = 10.0,
+    settings_timeout: float = 5.0,
+    keepalive_interval: float = 10.0,
+    keepalive_timeout: float = 5.0,
+    port_hint: str = "use the server's HTTP/2 (gRPC) address",
+) -> AsyncIterator[ClientConnection]:
+    """Dial ``host:port`` (TLS when ``tls`` is given), speak HTTP/2 and wait for the server's SETTINGS
+    (:func:`await_server_settings`); then the reader and keepalive run until the block is left.
+
+    Leaving the block resets the calls still open, says GOAWAY (after the server's own GOAWAY that
+    is all we send) and closes the socket.
+    """
+    secure = tls is not None
+    stream = await dial(host, port, tls=tls, alpn="h2", timeout=connect_timeout, port_hint=port_hint)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    conn.initiate_connection()
+    transport = H2Transport(stream, conn)
+    try:
+        await await_server_settings(transport, f"{host}:{port}", secure, settings_timeout, port_hint)
+        connection = ClientConnection(transport, host, port, secure)
+        keepalive = functools.partial(transport.keepalive, keepalive_interval, keepalive_timeout)
+        async with with_background(connection.read_loop, keepalive):
+            try:
+                yield connection
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    for st in list(transport.streams.values()):
+                        if not (st.local_ended and st.remote_ended):
+                            await st.reset(ErrorCodes.CANCEL)  # a no-op once h2 saw a GOAWAY
+                    if transport.error is None or isinstance(transport.error, GoAwayReceived):
+                        # RFC 9113 6.8: an endpoint done with a connection says GOAWAY before it
+                        # closes it; after the server's GOAWAY that is all we send.
+                        await transport.goaway(ErrorCodes.NO_ERROR)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+def split_url(url: str, schemes: tuple[str, ...] = ("http", "https")) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of a server URL, with the scheme's default port; a clear error for
+    a scheme outside ``schemes`` or a URL without a host."""
+    parts = urlsplit(url)
+    if parts.scheme not in schemes:
+        raise ValueError(f"server URL {url!r}: scheme must be {', '.join(schemes[:-1])} or {schemes[-1]}")
+    if not parts.hostname:
+        raise ValueError(f"server URL {url!r} has no host")
+    secure = parts.scheme in ("https", "wss")
+    return parts.scheme, parts.hostname, parts.port or (443 if secure else 80)
 
 
 @asynccontextmanager
@@ -346,60 +560,25 @@ async def server_stream(
     """Call the server-streaming method at ``path`` on ``url`` (``http://`` or ``https://``) with
     one ``request`` message; leaving the block cancels the call and closes the connection."""
     options = options or CallOptions()
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"server URL {url!r}: expected http://HOST:PORT or https://HOST:PORT")
-    secure = parts.scheme == "https"
-    host, port = parts.hostname, parts.port or (443 if secure else 80)
-    stream = await _connect(host, port, secure, options)
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
-    conn.initiate_connection()
-    transport = H2Transport(stream, conn)
-    stream_id = conn.get_next_available_stream_id()
-    st = RpcClientStream(transport, stream_id, options.max_message_size, options.protocol)
-    # The reader and the keepalive never raise (they record failures on the transport), so whatever
-    # leaves the nursery is the caller's or the setup's own error: it is raised as itself, not in an
-    # ExceptionGroup, so the caller can catch RpcError and TransportError.
-    caught: BaseException | None = None
-    try:
-        await await_server_settings(
-            transport, f"{host}:{port}", secure, options.connect_timeout, options.port_hint
+    scheme, host, port = split_url(url)
+    tls = ClientTLS(ca_file=options.ca) if scheme == "https" else None
+    async with connect(
+        host,
+        port,
+        tls=tls,
+        connect_timeout=options.connect_timeout,
+        settings_timeout=options.connect_timeout,
+        keepalive_interval=options.keepalive_interval,
+        keepalive_timeout=options.keepalive_timeout,
+        port_hint=options.port_hint,
+    ) as connection:
+        st = connection.open_call(
+            path,
+            protocol=options.protocol,
+            metadata=options.metadata,
+            user_agent=options.user_agent,
+            max_message_size=options.max_message_size,
+            stream=RpcClientStream,
         )
-        async with trio.open_nursery() as nursery:
-            try:
-                nursery.start_soon(_read_loop, transport, st)
-                headers = [
-                    (":method", "POST"),
-                    (":scheme", "https" if secure else "http"),
-                    (":path", path),
-                    (":authority", f"{host}:{port}"),
-                    *(
-                        [("content-type", "application/grpc+proto"), ("te", "trailers")]
-                        if options.protocol == "grpc"
-                        else [
-                            ("content-type", "application/connect+proto"),
-                            ("connect-protocol-version", "1"),
-                        ]
-                    ),
-                    ("user-agent", options.user_agent),
-                    *((k.lower(), v) for k, v in options.metadata.items()),
-                ]
-                conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
-                await st.send_data(envelope.encode(request, 0, options.max_message_size), end_stream=True)
-                nursery.start_soon(transport.keepalive, options.keepalive_interval, options.keepalive_timeout)
-                try:
-                    yield ServerStreamCall(st)
-                finally:
-                    with trio.CancelScope(shield=True), trio.move_on_after(1):
-                        if not st.remote_ended:
-                            await st.reset(ErrorCodes.CANCEL)
-                        if transport.error is None:
-                            await transport.goaway(ErrorCodes.NO_ERROR)
-                    nursery.cancel_scope.cancel()
-            except BaseException as exc:
-                caught = exc
-                nursery.cancel_scope.cancel()
-    finally:
-        await trio.aclose_forcefully(stream)
-    if caught is not None:
-        raise caught
+        await st.send_data(envelope.encode(request, 0, options.max_message_size), end_stream=True)
+        yield ServerStreamCall(st)

@@ -17,6 +17,10 @@ One port serves three protocols, told apart by their first bytes (or by TLS ALPN
 Other RPCs can share the port over HTTP/2 (``StreamServer(methods=...)``): the route watch that
 routers subscribe to (``/llmgw.v1.RouteService/WatchRoutes``, :mod:`control.routewatch`).
 
+What a peer's HTTP/2 frames mean (which calls to start, which requests to refuse, which floods to
+end) is decided in :mod:`transport.h2proto`, without IO; this module reads and writes the sockets
+and runs the handlers.
+
 The handler sees a :class:`ServerStream` per stream: the authenticated peer (certificate subject and
 SANs), an async iterator of ``AgentMessage`` and a ``send`` for ``ControlMessage``. Returning ends the
 stream with OK; raising :class:`schema.rpc.RpcError` ends it with that status.
@@ -24,14 +28,12 @@ stream with OK; raising :class:`schema.rpc.RpcError` ends it with that status.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import re
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any, NoReturn
 
 import attrs
@@ -46,13 +48,23 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 import schema
-from control.transport.bursts import BurstLog
 from schema import envelope
 from schema.fastpath import decode_agent_message
-from schema.rpc import Code, RpcError, encode_connect_end_stream, encode_grpc_message
+from schema.rpc import Code, RpcError, encode_connect_end_stream, grpc_status_headers
+from transport.bursts import BurstLog
 from transport.h2io import H2Stream, H2Transport, StalledMessage, TransportError, peer_text
+from transport.h2proto import (
+    CloseConnection,
+    Ignored,
+    Refused,
+    ServerProtocol,
+    StartCall,
+    protocol_error_text,
+)
+from transport.limits import ServerLimits
+from transport.tls import ServerTLS
 
-log = logging.getLogger("llmgw.control.transport")
+log = logging.getLogger("llmgw.transport.server")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HTTP1_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/1\.[01]\r?\n")
@@ -60,67 +72,7 @@ _MAX_HTTP1_HEAD = 16 * 1024
 #: The first byte of a TLS ClientHello (a handshake record); anything else at a TLS port is plaintext.
 _TLS_HANDSHAKE_RECORD = 0x16
 
-GRPC_CONTENT_TYPES = (b"application/grpc", b"application/grpc+proto")
-CONNECT_CONTENT_TYPE = b"application/connect+proto"
-
-
-@attrs.frozen
-class ServerTLS:
-    """Server certificate, and the CA that client certificates must chain to (mutual TLS)."""
-
-    certfile: Path
-    keyfile: Path
-    client_ca: Path | None = None
-    require_client_cert: bool = False
-
-    def context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(str(self.certfile), str(self.keyfile))
-        if self.client_ca is not None:
-            ctx.load_verify_locations(cafile=str(self.client_ca))
-            ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
-        elif self.require_client_cert:
-            raise ValueError("require_client_cert needs client_ca: the CA that signs node certificates")
-        # h2 for gRPC and Connect; http/1.1 for the WebSocket route.
-        ctx.set_alpn_protocols(["h2", "http/1.1"])
-        return ctx
-
-
-@attrs.frozen
-class ServerLimits:
-    """Bounds on what one peer can cost the server, and the timings of keepalive and shutdown."""
-
-    max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE
-    #: The first message of a stream (the Register) comes before anything the peer says is believed,
-    #: so it gets a tighter bound: a forged 30,000-GPU Register is refused by its envelope header,
-    #: before its bytes are buffered or parsed. A real Register is a few KiB (64 GPUs, a few shards).
-    max_first_message_size: int = 1024 * 1024
-    #: SETTINGS_MAX_CONCURRENT_STREAMS per connection (an agent needs one).
-    max_streams_per_connection: int = 8
-    #: Streams across all connections; beyond it new streams end with RESOURCE_EXHAUSTED.
-    max_streams: int = 100_000
-    #: Seconds between server PINGs on a connection, and how long an answer may take.
-    keepalive_interval: float = 30.0
-    keepalive_timeout: float = 10.0
-    #: A TLS handshake or a connection preface must complete within this many seconds, and an
-    #: HTTP/2 connection must open its first stream within as many again.
-    handshake_timeout: float = 10.0
-    #: A message begun must be finished within this many seconds of its last byte.
-    stall_timeout: float = 30.0
-    #: Shutdown: after GOAWAY, streams get this long to end before they are ended with UNAVAILABLE.
-    #: Our agents leave at the GOAWAY at once; the grace is for peers that finish their stream first
-    #: (grpcio keeps its stream open), and bounds how long a hung agent delays a SIGTERM.
-    shutdown_grace: float = 5.0
-    #: Streams a peer may reset within ``peer_reset_window`` seconds on one connection; beyond it the
-    #: connection ends with GOAWAY(ENHANCE_YOUR_CALM) (HTTP/2 rapid reset, CVE-2023-44487).
-    max_peer_resets: int = 64
-    peer_reset_window: float = 10.0
-    #: Lines that come in bursts (connections closed for sending nothing in time, failed TLS
-    #: handshakes): the first ``log_burst_keep`` of a burst are logged one by one, the rest summed up
-    #: in one line per ``log_burst_interval`` seconds (see :mod:`control.transport.bursts`).
-    log_burst_keep: int = 3
-    log_burst_interval: float = 10.0
+__all__ = ["Handler", "PeerIdentity", "ServerLimits", "ServerStream", "ServerTLS", "StreamServer"]
 
 
 @attrs.frozen
@@ -333,10 +285,9 @@ class _H2ServerStream(H2Stream, ServerStream):
                 payload = encode_connect_end_stream(code, message)
                 await self.send_data(envelope.encode(payload, envelope.FLAG_END_STREAM), end_stream=True)
             else:
-                trailers = [(b"grpc-status", str(int(code)).encode())]
-                if message:
-                    trailers.append((b"grpc-message", encode_grpc_message(message).encode()))
-                self.transport.conn.send_headers(self.stream_id, trailers, end_stream=True)
+                self.transport.conn.send_headers(
+                    self.stream_id, grpc_status_headers(code, message), end_stream=True
+                )
                 self.local_ended = True
                 await self.transport.flush()
             if not self.remote_ended:
@@ -370,15 +321,22 @@ class _WsServerStream(ServerStream):
         try:
             data = await self.ws.get_message()
         except trio_websocket.ConnectionClosed as exc:
+            reason = exc.reason
+            if reason is not None and reason.code == 1009:
+                # Closed as "message too big" while the message arrived: over the cap for this
+                # message (see _MessageCap). No status can follow a close; the stream's log line
+                # says why.
+                self.finished = True
+                limit = _MessageCap.limit_for(self.server.limits, self.received)
+                raise PeerRefused(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"WebSocket message {self.received + 1} exceeds the limit of {limit} bytes "
+                    f"({limit // 1024} KiB) for it; closed (1009) as it arrived",
+                ) from exc
             raise self._closed(exc) from exc
         if isinstance(data, str):
             await self._refuse(Code.INTERNAL, "text WebSocket message; envelopes travel in binary messages")
-        limits = self.server.limits
-        decoder = envelope.EnvelopeDecoder(
-            min(limits.max_message_size, limits.max_first_message_size)
-            if self.received == 0
-            else limits.max_message_size
-        )
+        decoder = envelope.EnvelopeDecoder(_MessageCap.limit_for(self.server.limits, self.received))
         decoder.receive_data(bytes(data))
         decoder.receive_data(b"")
         try:
@@ -412,7 +370,9 @@ class _WsServerStream(ServerStream):
         if self.finished:
             raise RpcError(Code.FAILED_PRECONDITION, "stream already ended")
         try:
-            await self.ws.send_message(envelope.encode(bytes(message), 0, self.server.limits.max_message_size))
+            await self.ws.send_message(
+                envelope.encode(bytes(message), 0, self.server.limits.max_message_size)
+            )
         except trio_websocket.ConnectionClosed as exc:
             raise self._closed(exc) from exc
 
@@ -426,6 +386,45 @@ class _WsServerStream(ServerStream):
             await self.ws.aclose(1000)
         except trio_websocket.ConnectionClosed:
             pass
+
+
+class _MessageCap:
+    """The WebSocket route's message limits applied while a message arrives, not once it is whole.
+
+    trio-websocket checks its connection's ``max_message_size`` against each fragment as it is read,
+    and closes with 1009 (message too big) once a message outgrows it; but the limit is one number
+    for the whole connection, while the first message (the Register, before anything the peer says
+    is believed) has a tighter one (``ServerLimits.max_first_message_size``), as on the HTTP/2
+    routes, where the envelope header alone refuses it. So the connection starts with the first
+    message's limit, and this stands between trio-websocket's reader and the handler: when the
+    reader hands over a complete message, the limit is widened for the next ones before the reader
+    reads on, so no later fragment is ever judged by the first message's bound (nor the first by
+    the wider one). It replaces the reader's channel, a private attribute of trio-websocket (0.12):
+    tests/test_register_limits.py holds it to the behaviour on every route.
+    """
+
+    def __init__(self, ws: trio_websocket.WebSocketConnection, limits: ServerLimits) -> None:
+        self._ws = ws
+        self._channel = ws._send_channel
+        self._limits = limits
+        self._messages = 0
+        ws._max_message_size = self.limit_for(limits, 0) + envelope.HEADER_SIZE
+        ws._send_channel = self  # type: ignore[assignment]
+
+    @staticmethod
+    def limit_for(limits: ServerLimits, received: int) -> int:
+        """The payload limit of a stream's message after ``received`` messages."""
+        if received == 0:
+            return min(limits.max_message_size, limits.max_first_message_size)
+        return limits.max_message_size
+
+    async def send(self, message: bytes | str) -> None:
+        self._messages += 1
+        self._ws._max_message_size = self.limit_for(self._limits, self._messages) + envelope.HEADER_SIZE
+        await self._channel.send(message)
+
+    async def aclose(self) -> None:
+        await self._channel.aclose()
 
 
 class _PrefixedStream(trio.abc.Stream):
@@ -479,7 +478,7 @@ class StreamServer:
         self.limits = limits or ServerLimits()
         self._ssl_context = tls.context() if tls else None
         self._transports: set[H2Transport] = set()
-        self._resets: dict[H2Transport, _ResetBudget] = {}
+        self._protocols: dict[H2Transport, ServerProtocol] = {}
         self._streams: set[ServerStream] = set()
         self._scopes: set[trio.CancelScope] = set()
         self._listen_scope = trio.CancelScope()
@@ -772,8 +771,13 @@ class StreamServer:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(self.limits.handshake_timeout) as hs:
                 request = await trio_websocket.wrap_server_stream(
-                    nursery, stream, max_message_size=self.limits.max_message_size + envelope.HEADER_SIZE
+                    nursery,
+                    stream,
+                    max_message_size=_MessageCap.limit_for(self.limits, 0) + envelope.HEADER_SIZE,
                 )
+                # Before the handshake is accepted no message can have begun: the cap is in place
+                # before the first fragment arrives.
+                _MessageCap(request._connection, self.limits)
                 metadata = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
                 if self._shutting_down or len(self._streams) >= self.limits.max_streams:
                     await request.reject(503, body=b"server shutting down or at its stream limit\n")
@@ -800,6 +804,7 @@ class StreamServer:
         conn.initiate_connection()
         transport = H2Transport(stream, conn)
         self._transports.add(transport)
+        self._protocols[transport] = ServerProtocol(conn, self.limits, self.methods)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(
@@ -832,7 +837,7 @@ class StreamServer:
             pass
         finally:
             self._transports.discard(transport)
-            self._resets.pop(transport, None)
+            self._protocols.pop(transport, None)
 
     async def _first_request_due(self, transport: H2Transport, peer: PeerIdentity) -> None:
         """Close an HTTP/2 connection that opens no stream within ``handshake_timeout``.
@@ -855,142 +860,68 @@ class StreamServer:
     async def _feed(
         self, transport: H2Transport, nursery: trio.Nursery, peer: PeerIdentity, data: bytes
     ) -> bool:
-        """Feed bytes to h2 and act on its events; ``False`` when the connection must close.
+        """Feed bytes to h2 and carry out what :class:`transport.h2proto.ServerProtocol` decides
+        about each event; ``False`` when the connection must close.
 
         A protocol violation (a stream id reused or lower than one already seen, a frame h2 rejects)
-        and a rapid-reset flood (CVE-2023-44487: streams opened and reset faster than anyone needs)
-        each end this connection with a GOAWAY that says why and one WARNING line; other
-        connections and their streams do not notice.
+        and a flood (rapid reset, CVE-2023-44487; SETTINGS, PING, WINDOW_UPDATE and other control
+        frames faster than anyone needs, CVE-2019-9512/-9515) each end this connection with a GOAWAY
+        that says why and one WARNING line; other connections and their streams do not notice.
         """
         try:
             events = transport.feed(data)
         except h2.exceptions.ProtocolError as exc:
-            detail = _protocol_error_text(exc, data)
+            detail = protocol_error_text(exc, data)
             self._protocol_log.note(
                 "%s: HTTP/2 protocol error: %s; answered with GOAWAY", peer.address, detail
             )
             transport.fail(TransportErrorClosed(f"HTTP/2 protocol error: {detail}"))
             await transport.refuse(exc, detail)
             return False
-        resets = self._resets.setdefault(transport, _ResetBudget(self.limits.max_peer_resets))
+        protocol = self._protocols[transport]
         for event in events:
-            if isinstance(event, h2.events.RequestReceived):
-                if transport.peer_went_away or transport.error is not None:
-                    continue  # the peer said GOAWAY in the same breath: there is no one to answer
-                h2_stream = transport.conn.streams.get(int(event.stream_id))
-                if h2_stream is None or h2_stream.closed:
-                    # Reset by the peer in the same read that opened it (h2 has already forgotten
-                    # it, and answering would make h2 open it anew): counted below, not answered.
-                    log.debug("%s: stream %d reset before it was answered", peer.address, event.stream_id)
-                    continue
-                await self._on_request(transport, nursery, peer, event)
-                continue
-            if isinstance(event, h2.events.StreamReset) and event.remote_reset:
-                if not resets.spend(trio.current_time(), self.limits.peer_reset_window):
-                    detail = (
-                        f"{resets.limit + 1} streams reset by the peer within "
-                        f"{self.limits.peer_reset_window:g} s (at most {resets.limit} allowed): "
-                        "a rapid-reset flood"
-                    )
-                    log.warning("%s: %s; answered with GOAWAY (ENHANCE_YOUR_CALM)", peer.address, detail)
-                    transport.fail(TransportErrorClosed(detail))
-                    transport.conn.data_to_send()
-                    await transport.goaway(ErrorCodes.ENHANCE_YOUR_CALM, detail)
-                    return False
-            if not transport.handle_common(event):
-                log.debug("%s: ignored HTTP/2 event %r", peer.address, event)
+            decision = protocol.receive(
+                event,
+                trio.current_time(),
+                closing=transport.peer_went_away or transport.error is not None,
+                accepting=not self._shutting_down,
+                open_streams=len(self._streams),
+            )
+            if decision is None:
+                if not transport.handle_common(event):
+                    log.debug("%s: ignored HTTP/2 event %r", peer.address, event)
+            elif isinstance(decision, StartCall):
+                self._start_call(transport, nursery, peer, decision)
+            elif isinstance(decision, Refused):
+                log.warning("%s: %s", peer.address, decision.reason)
+            elif isinstance(decision, CloseConnection):
+                log.warning(
+                    "%s: %s; answered with GOAWAY (%s)",
+                    peer.address,
+                    decision.detail,
+                    decision.error_code.name,
+                )
+                transport.fail(TransportErrorClosed(decision.detail))
+                transport.conn.data_to_send()  # the answers to the flood (SETTINGS and PING ACKs) go unsent
+                await transport.goaway(decision.error_code, decision.detail)
+                return False
+            elif isinstance(decision, Ignored):
+                log.debug("%s: %s", peer.address, decision.reason)
         try:
             await transport.flush()
         except TransportError:
             return False
         return True
 
-    async def _on_request(
-        self,
-        transport: H2Transport,
-        nursery: trio.Nursery,
-        peer: PeerIdentity,
-        event: h2.events.RequestReceived,
+    def _start_call(
+        self, transport: H2Transport, nursery: trio.Nursery, peer: PeerIdentity, call: StartCall
     ) -> None:
-        stream_id = int(event.stream_id)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in (event.headers or [])}
-        ctype = headers.get("content-type", "").split(";")[0].strip().encode()
-        conn = transport.conn
-
-        def respond(status: int, text: str) -> None:
-            body = (text + "\n").encode()
-            conn.send_headers(
-                stream_id,
-                [(b":status", str(status).encode()), (b"content-type", b"text/plain; charset=utf-8")],
-            )
-            conn.send_data(stream_id, body, end_stream=True)
-
-        def trailers_only(code: Code, message: str, content_type: bytes) -> None:
-            log.warning("%s: stream refused: %s: %s", peer.address, code.name, message)
-            if content_type == CONNECT_CONTENT_TYPE:
-                conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", content_type)])
-                payload = encode_connect_end_stream(code, message)
-                conn.send_data(stream_id, envelope.encode(payload, envelope.FLAG_END_STREAM), end_stream=True)
-            else:
-                conn.send_headers(
-                    stream_id,
-                    [
-                        (b":status", b"200"),
-                        (b"content-type", b"application/grpc"),
-                        (b"grpc-status", str(int(code)).encode()),
-                        (b"grpc-message", encode_grpc_message(message).encode()),
-                    ],
-                    end_stream=True,
-                )
-
-        if ctype in GRPC_CONTENT_TYPES:
-            protocol = "grpc"
-        elif ctype == CONNECT_CONTENT_TYPE:
-            protocol = "connect"
-        else:
-            log.warning("%s: unsupported content-type %r", peer.address, ctype.decode("latin-1"))
-            respond(
-                415,
-                f"unsupported content-type {ctype.decode('latin-1')!r}: this server takes "
-                "application/grpc, application/grpc+proto or application/connect+proto",
-            )
-            return
-        if headers.get(":method") != "POST":
-            respond(
-                405,
-                f"method {peer_text(headers.get(':method', ''))} not allowed: gRPC and Connect use POST",
-            )
-            return
-        handler = self.methods.get(headers.get(":path", ""))
-        if handler is None:
-            trailers_only(
-                Code.UNIMPLEMENTED,
-                f"unknown method {peer_text(headers.get(':path', ''))}; served: {', '.join(self.methods)}",
-                ctype,
-            )
-            return
-        encoding = headers.get(
-            "grpc-encoding" if protocol == "grpc" else "connect-content-encoding", "identity"
-        )
-        if encoding != "identity":
-            trailers_only(
-                Code.UNIMPLEMENTED, f"message encoding {encoding!r} not supported; use identity", ctype
-            )
-            return
-        if self._shutting_down:
-            trailers_only(Code.UNAVAILABLE, "server shutting down", ctype)
-            return
-        if len(self._streams) >= self.limits.max_streams:
-            trailers_only(
-                Code.RESOURCE_EXHAUSTED, f"server at its limit of {self.limits.max_streams} streams", ctype
-            )
-            return
-        response_ctype = b"application/grpc+proto" if ctype == b"application/grpc+proto" else ctype
-        conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", response_ctype)])
-        st = _H2ServerStream(self, transport, stream_id, protocol, peer, headers)
+        """Run the method's handler on a call the protocol accepted (its response headers are queued)."""
+        handler = self.methods[call.path]
+        st = _H2ServerStream(self, transport, call.stream_id, call.protocol, peer, call.metadata)
         if handler is not self.handler:
-            st.caller = f"a {headers.get(':path', '').rsplit('/', 1)[-1]} caller"
-        if event.stream_ended is not None:
+            st.caller = f"a {call.path.rsplit('/', 1)[-1]} caller"
+        if call.ended:
             st.on_remote_end()
         nursery.start_soon(self._run_h2_stream, st, handler)
 
@@ -1105,29 +1036,5 @@ def _status_of(exc: BaseException) -> tuple[Code, str]:
     return Code.INTERNAL, f"internal error: {type(first).__name__}: {first}"
 
 
-class _ResetBudget:
-    """The streams a peer reset within a sliding window: an agent resets at most its one stream per
-    connection, while a rapid-reset flood opens and cancels thousands a second to make the server
-    start and stop work it never gets to answer."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._times: collections.deque[float] = collections.deque()
-
-    def spend(self, now: float, window: float) -> bool:
-        """Count one reset at ``now``; ``False`` once more than ``limit`` fell within ``window``."""
-        self._times.append(now)
-        while self._times and self._times[0] < now - window:
-            self._times.popleft()
-        return len(self._times) <= self.limit
-
-
 class TransportErrorClosed(TransportError):
     """The connection is over: closed by the peer, or by us after a protocol error."""
-
-
-def _protocol_error_text(exc: h2.exceptions.ProtocolError, data: bytes) -> str:
-    text = str(exc) or type(exc).__name__
-    if "preamble" in text.lower() or "preface" in text.lower():
-        return f"expected the HTTP/2 connection preface (gRPC/Connect over h2c); got {data[:24]!r}"
-    return text

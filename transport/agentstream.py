@@ -1,8 +1,7 @@
 """The agent's end of the stream: ``open_stream(url)`` for gRPC, Connect or WebSocket, with TLS.
 
-httpx cannot do full-duplex HTTP/2 and drops trailers, so the HTTP/2 client drives ``h2`` over a trio
-stream itself (the connection plumbing shared with the server lives in :mod:`transport.h2io`). The URL
-scheme picks the carrier:
+Over HTTP/2 the stream is one call on a :class:`transport.client.ClientConnection`; the URL scheme
+picks the carrier:
 
 - ``http://host:port``: HTTP/2 cleartext with prior knowledge (h2c; no HTTP/1.1 upgrade dance);
 - ``https://host:port``: TLS with ALPN ``h2``, optionally presenting a client certificate (mutual TLS);
@@ -10,9 +9,8 @@ scheme picks the carrier:
   speak only HTTP/1.1.
 
 Over HTTP/2 nothing but the connection preface and our SETTINGS leaves before the server's SETTINGS
-arrive (and, with TLS, before a verified handshake): a peer that has not spoken HTTP/2 gets neither
-the node's metadata nor its Register. What answered instead names the likely mistake in the error
-(the router or admin port, TLS spoken to a plaintext port or the other way round).
+arrive (see :func:`transport.client.connect`): a peer that has not spoken HTTP/2 gets neither the
+node's metadata nor its Register.
 
 Whatever carries it, the caller gets an :class:`AgentStream`: ``send`` an ``AgentMessage``, ``receive``
 ``ControlMessage`` values until ``None`` (the server ended the stream with OK). Every failure is a typed
@@ -24,44 +22,25 @@ next ``send`` or ``receive`` raises it, so a session sees every failure in the o
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Literal, cast
 from urllib.parse import urlsplit
 
 import attrs
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
 import trio
 import trio_websocket
-from h2.errors import ErrorCodes
 
 import schema
-from agent import __version__
-from agent.transport.tls import ClientTLS
 from schema import envelope
-from schema.rpc import (
-    Code,
-    RpcError,
-    decode_connect_end_stream,
-)
-from transport.client import RpcClientStream, await_server_settings, diagnose_answer, headers_of
-from transport.h2io import (
-    ConnectionLost,
-    GoAwayReceived,
-    H2Transport,
-    PeerUnresponsive,
-    TransportError,
-    peer_text,
-)
+from schema.rpc import Code, RpcError, decode_connect_end_stream
+from transport.client import RpcClientStream, connect, dial, split_url, with_background
+from transport.h2io import ConnectionLost, PeerUnresponsive, TransportError, peer_text
+from transport.tls import ClientTLS
 
-log = logging.getLogger("llmgw.agent.transport")
+log = logging.getLogger("llmgw.transport.agentstream")
 
 Protocol = Literal["grpc", "connect"]
 
@@ -85,6 +64,8 @@ class StreamOptions:
     max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE
     #: Extra request headers, e.g. ``{"authorization": "Bearer ..."}``.
     metadata: Mapping[str, str] = attrs.field(factory=dict)
+    #: The ``user-agent`` request header (the agent adds its version).
+    user_agent: str = "llmgw-agent"
 
 
 class AgentStream:
@@ -121,104 +102,21 @@ def _parse_control(payload: bytes) -> schema.ControlMessage:
 async def open_stream(url: str, options: StreamOptions | None = None) -> AsyncIterator[AgentStream]:
     """Connect to ``url`` and open ``AgentService/Connect``; closing the context ends the stream."""
     options = options or StreamOptions()
-    parts = urlsplit(url)
-    if parts.scheme in ("ws", "wss"):
-        async with _open_websocket(url, parts.scheme == "wss", options) as ws_stream:
+    scheme, host, port = split_url(url, ("http", "https", "ws", "wss"))
+    if scheme in ("ws", "wss"):
+        async with _open_websocket(url, scheme == "wss", options) as ws_stream:
             yield ws_stream
         return
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"server URL {url!r}: scheme must be http, https, ws or wss")
-    if not parts.hostname:
-        raise ValueError(f"server URL {url!r} has no host")
-    secure = parts.scheme == "https"
-    port = parts.port or (443 if secure else 80)
-    async with _open_h2(parts.hostname, port, secure, options) as h2_stream:
+    async with _open_h2(host, port, scheme == "https", options) as h2_stream:
         yield h2_stream
-
-
-@asynccontextmanager
-async def _with_background(*tasks: Callable[[], Awaitable[object]]) -> AsyncIterator[trio.Nursery]:
-    """Run ``tasks`` in the background around the caller's body; the body's exception leaves as itself.
-
-    Our background tasks (reader, keepalive) never raise: they record errors for ``send`` and
-    ``receive`` to raise. Without this, trio's strict exception groups would hand the caller an
-    ExceptionGroup around its own RpcError or TransportError instead of the error itself.
-    """
-    caught: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        for task in tasks:
-            nursery.start_soon(task)
-        try:
-            yield nursery
-        except BaseException as exc:
-            caught = exc
-        finally:
-            nursery.cancel_scope.cancel()
-    if caught is not None:
-        raise caught
-
-
-async def _connect_tcp(host: str, port: int, timeout: float) -> trio.SocketStream:
-    with trio.fail_after(timeout):
-        try:
-            tcp = await trio.open_tcp_stream(host, port)
-        except OSError as exc:
-            raise ConnectionLost(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
-    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return tcp
 
 
 #: Where agents connect, for the hints of a connection that reached something else.
 AGENT_PORT_HINT = "agents connect to the control plane's [listen] agents address"
 
 
-class _Recording(trio.abc.Stream):
-    """The TCP stream under a TLS one, keeping the first bytes the server sent, so that a failed
-    handshake can say what answered instead of TLS (see :func:`diagnose_answer`)."""
-
-    def __init__(self, stream: trio.SocketStream, keep: int = 64) -> None:
-        self.stream = stream
-        self.first = b""
-        self._keep = keep
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data = bytes(await self.stream.receive_some(max_bytes))
-        if len(self.first) < self._keep:
-            self.first += data[: self._keep - len(self.first)]
-        return data
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.stream.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.stream.wait_send_all_might_not_block()
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-async def _tls_handshake(
-    tcp: trio.SocketStream, host: str, tls: ClientTLS, alpn: list[str], timeout: float
-) -> trio.SSLStream[_Recording]:
-    recording = _Recording(tcp)
-    stream = trio.SSLStream(recording, tls.context(alpn), server_hostname=tls.server_hostname or host)
-    try:
-        with trio.fail_after(timeout):
-            await stream.do_handshake()
-    except trio.BrokenResourceError as exc:
-        await trio.aclose_forcefully(tcp)
-        cause = exc.__cause__ or exc
-        hint = diagnose_answer(recording.first, tls_expected=True, port_hint=AGENT_PORT_HINT)
-        raise ConnectionLost(
-            f"TLS handshake with {host} failed: {cause}" + (f"; the server {hint}" if hint else "")
-        ) from exc
-    return stream
-
-
 class _H2ClientStream(RpcClientStream, AgentStream):
-    def __init__(self, transport: H2Transport, stream_id: int, options: StreamOptions, secure: bool) -> None:
-        super().__init__(transport, stream_id, options.max_message_size, options.protocol)
-        self.secure = secure
+    secure = False
 
     def _explain(self, exc: TransportError) -> TransportError:
         """A TLS server that refuses our client certificate (TLS 1.3 checks it after our side of the
@@ -271,95 +169,27 @@ class _H2ClientStream(RpcClientStream, AgentStream):
 
 @asynccontextmanager
 async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -> AsyncIterator[AgentStream]:
-    tcp = await _connect_tcp(host, port, options.connect_timeout)
-    stream: trio.abc.Stream = tcp
-    if secure:
-        tls_stream = await _tls_handshake(
-            tcp, host, options.tls or ClientTLS(), ["h2"], options.connect_timeout
+    async with connect(
+        host,
+        port,
+        tls=(options.tls or ClientTLS()) if secure else None,
+        connect_timeout=options.connect_timeout,
+        settings_timeout=options.settings_timeout,
+        keepalive_interval=options.keepalive_interval,
+        keepalive_timeout=options.keepalive_timeout,
+        port_hint=AGENT_PORT_HINT,
+    ) as connection:
+        st = connection.open_call(
+            schema.CONNECT_PATH,
+            protocol=options.protocol,
+            metadata=options.metadata,
+            user_agent=options.user_agent,
+            max_message_size=options.max_message_size,
+            stream=_H2ClientStream,
         )
-        if tls_stream.selected_alpn_protocol() != "h2":
-            await trio.aclose_forcefully(tls_stream)
-            raise ConnectionLost(
-                f"{host}:{port} did not negotiate HTTP/2 over TLS (ALPN gave "
-                f"{tls_stream.selected_alpn_protocol()!r}); is it an llmgw control plane?"
-            )
-        stream = tls_stream
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
-    conn.initiate_connection()
-    transport = H2Transport(stream, conn)
-    try:
-        await await_server_settings(
-            transport, f"{host}:{port}", secure, options.settings_timeout, AGENT_PORT_HINT
-        )
-        stream_id = conn.get_next_available_stream_id()
-        content_type = "application/grpc+proto" if options.protocol == "grpc" else "application/connect+proto"
-        headers = [
-            (":method", "POST"),
-            (":scheme", "https" if secure else "http"),
-            (":path", schema.CONNECT_PATH),
-            (":authority", f"{host}:{port}"),
-            ("content-type", content_type),
-            ("user-agent", f"llmgw-agent/{__version__}"),
-        ]
-        if options.protocol == "grpc":
-            headers.append(("te", "trailers"))
-        else:
-            headers.append(("connect-protocol-version", "1"))
-        headers.extend((k.lower(), v) for k, v in options.metadata.items())
-        st = _H2ClientStream(transport, stream_id, options, secure)
-        conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
-        await transport.flush()
-        keepalive = functools.partial(
-            transport.keepalive, options.keepalive_interval, options.keepalive_timeout
-        )
-        async with _with_background(functools.partial(_read_loop, transport, st), keepalive):
-            try:
-                yield st
-            finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    if not (st.local_ended and st.remote_ended):
-                        await st.reset(ErrorCodes.CANCEL)  # a no-op once h2 saw a GOAWAY
-                    if transport.error is None or isinstance(transport.error, GoAwayReceived):
-                        # RFC 9113 6.8: an endpoint done with a connection says GOAWAY before it
-                        # closes it; after the server's GOAWAY that is all we send.
-                        await transport.goaway(ErrorCodes.NO_ERROR)
-    finally:
-        await trio.aclose_forcefully(stream)
-
-
-async def _read_loop(transport: H2Transport, st: _H2ClientStream) -> None:
-    """The connection's only reader: socket bytes -> h2 events -> the stream.
-
-    A GOAWAY from the server (a control plane shutting down says GOAWAY with NO_ERROR) ends the
-    connection gracefully: the stream fails with :class:`GoAwayReceived`, whatever the server wrote
-    after its GOAWAY is absorbed unread (``H2Transport.feed``), and once the session lets go of the
-    stream we answer with our own GOAWAY (RFC 9113 6.8: a receiver with no more use for the
-    connection should) and nothing else, so the session reconnects with its backoff and no side
-    logs a protocol error.
-    """
-    while transport.error is None:
-        try:
-            events = await transport.receive_events()
-        except TransportError:
-            return
-        except h2.exceptions.ProtocolError as exc:
-            transport.fail(ConnectionLost(f"HTTP/2 protocol error from the server: {exc}"))
-            await transport.refuse(exc, str(exc))
-            await transport.abort()
-            return
-        for event in events:
-            if isinstance(event, h2.events.ResponseReceived):
-                st.on_response(headers_of(event.headers))
-            elif isinstance(event, h2.events.TrailersReceived):
-                st.on_trailers(headers_of(event.headers))
-            elif not transport.handle_common(event):
-                log.debug("ignored HTTP/2 event %r", event)
-        if transport.error is not None:
-            return  # a GOAWAY: the answer is sent as the stream closes (see _open_h2)
-        try:
-            await transport.flush()
-        except TransportError:
-            return
+        st.secure = secure
+        await connection.transport.flush()
+        yield st
 
 
 # -- WebSocket ---------------------------------------------------------------------------------------
@@ -446,22 +276,24 @@ async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> Asy
     host = parts.hostname or ""
     port = parts.port or (443 if secure else 80)
     path = parts.path if parts.path not in ("", "/") else schema.WEBSOCKET_PATH
-    tcp = await _connect_tcp(host, port, options.connect_timeout)
-    stream: trio.SocketStream | trio.SSLStream[_Recording] = tcp
-    if secure:
-        stream = await _tls_handshake(
-            tcp, host, options.tls or ClientTLS(), ["http/1.1"], options.connect_timeout
-        )
+    stream = await dial(
+        host,
+        port,
+        tls=(options.tls or ClientTLS()) if secure else None,
+        alpn="http/1.1",
+        timeout=options.connect_timeout,
+        port_hint=AGENT_PORT_HINT,
+    )
     extra = [(k.lower().encode(), v.encode()) for k, v in options.metadata.items()]
-    extra.append((b"user-agent", f"llmgw-agent/{__version__}".encode()))
+    extra.append((b"user-agent", options.user_agent.encode()))
     try:
-        async with _with_background() as nursery:
+        async with with_background() as nursery:
             try:
                 with trio.fail_after(options.connect_timeout):
                     ws = await trio_websocket.wrap_client_stream(
                         nursery,
                         # Typed for an SSLStream straight over a socket; ours has a recorder between
-                        # (see _tls_handshake), which is a trio Stream all the same.
+                        # (see transport.client.dial), which is a trio Stream all the same.
                         cast("trio.SocketStream | trio.SSLStream[trio.SocketStream]", stream),
                         f"{host}:{port}",
                         path,

@@ -1,4 +1,4 @@
-"""Client-side TLS: which CA to trust, and the client certificate that names this node (mutual TLS)."""
+"""TLS settings for both ends: which CA to trust and which certificate to present (mutual TLS)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import attrs
 
 @attrs.frozen
 class ClientTLS:
-    """TLS settings for the agent's connection; all fields optional.
+    """TLS settings for a client's connection (the agent's, the route watch's); all fields optional.
 
     With no ``ca_file`` the system trust store is used. With ``cert_file`` and ``key_file`` the agent
     presents a client certificate: the control plane binds the stream to the node identity in it.
@@ -32,4 +32,27 @@ class ClientTLS:
         elif self.key_file is not None:
             raise ValueError("a TLS key file was given without its certificate file")
         ctx.set_alpn_protocols(alpn)
+        return ctx
+
+
+@attrs.frozen
+class ServerTLS:
+    """Server certificate, and the CA that client certificates must chain to (mutual TLS)."""
+
+    certfile: Path
+    keyfile: Path
+    client_ca: Path | None = None
+    require_client_cert: bool = False
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(self.certfile), str(self.keyfile))
+        if self.client_ca is not None:
+            ctx.load_verify_locations(cafile=str(self.client_ca))
+            ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
+        elif self.require_client_cert:
+            raise ValueError("require_client_cert needs client_ca: the CA that signs node certificates")
+        # h2 for gRPC and Connect; http/1.1 for the WebSocket route.
+        ctx.set_alpn_protocols(["h2", "http/1.1"])
         return ctx
