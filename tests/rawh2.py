@@ -129,7 +129,13 @@ class RawPeer:
         await peer.sock.send_all(PREFACE + SettingsFrame(0).serialize())
         return peer
 
-    def headers(self, stream_id: int, path: str = schema.CONNECT_PATH, end_stream: bool = False) -> bytes:
+    def headers(
+        self,
+        stream_id: int,
+        path: str = schema.CONNECT_PATH,
+        end_stream: bool = False,
+        content_type: str = "application/grpc",
+    ) -> bytes:
         frame = HeadersFrame(stream_id)
         frame.data = self.encoder.encode(
             [
@@ -137,7 +143,7 @@ class RawPeer:
                 (":scheme", "http"),
                 (":path", path),
                 (":authority", "127.0.0.1"),
-                ("content-type", "application/grpc"),
+                ("content-type", content_type),
                 ("te", "trailers"),
             ]
         )

@@ -8,11 +8,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import hpack
 import pytest
+import trio
+from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
 import schema
-from control.agentsvc import MAX_GPUS, MAX_LABELS, MAX_NAME, MAX_SHARDS, gpu_usage_problem
+from control.agentsvc import MAX_GPUS, MAX_LABELS, MAX_NAME, MAX_SHARDS, REGISTER_TIMEOUT, gpu_usage_problem
+from schema import envelope
 from tests.fleet_procs import ControlProcess, catalog, poll
+from tests.rawh2 import RawPeer
 from tests.support import rss_kib
 
 
@@ -268,3 +273,134 @@ def test_heartbeat_gpu_figures_have_the_same_ranges() -> None:
         (schema.GpuUsage(utilization_percent=250), "Heartbeat.gpus[0].utilization_percent is 250%"),
     ]:
         assert field in gpu_usage_problem([usage], "Heartbeat.gpus")
+
+
+# -- the first message's cap, the same on every route ------------------------------------------------
+
+#: What each peer announces as its first message: over the 1 MiB first-message cap, under the
+#: stream's 4 MiB message limit (the size the operator's check used).
+ANNOUNCED = 3_900_000
+#: How much of it each peer sends before it waits: more than the cap (on WebSocket the cap must
+#: apply while the frame arrives), never the whole (one that never completes must not be held
+#: until the Register timeout).
+WS_SENT = 1_500_000
+
+
+async def _h2_first_message(port: int, content_type: str) -> str:
+    """A first message announced at ``ANNOUNCED`` bytes over HTTP/2 (as much as the window takes,
+    then nothing); the status the stream ended with."""
+    peer = await RawPeer.connect(port)
+    try:
+        body = envelope.HEADER.pack(0, ANNOUNCED) + b"x" * 60_000  # within the 64 KiB initial window
+        frames = peer.headers(1, content_type=content_type)
+        frames += b"".join(peer.data(1, body[i : i + 16_000]) for i in range(0, len(body), 16_000))
+        await peer.send(frames)
+
+        def ended(fs: list[Frame]) -> bool:
+            return any(f.stream_id == 1 and "END_STREAM" in f.flags for f in fs if hasattr(f, "flags"))
+
+        frames_in = await peer.read_until("the stream's end", ended, deadline=REGISTER_TIMEOUT)
+    finally:
+        await peer.aclose()
+    decoder = hpack.Decoder()
+    fields = [
+        (bytes(k).decode(), bytes(v).decode())
+        for f in frames_in
+        if isinstance(f, HeadersFrame)
+        for k, v in decoder.decode(f.data, raw=True)
+    ]
+    body_in = b"".join(f.data for f in frames_in if isinstance(f, DataFrame))
+    return " ".join(f"{k}={v}" for k, v in fields) + " " + body_in.decode("latin-1")
+
+
+async def _ws_first_message(port: int) -> str:
+    """A WebSocket first message announced at ``ANNOUNCED`` bytes (one binary frame), of which
+    ``WS_SENT`` are sent, then nothing; the close code the server ended the connection with."""
+    sock = await trio.open_tcp_stream("127.0.0.1", port)
+    try:
+        await sock.send_all(
+            f"GET {schema.WEBSOCKET_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await sock.receive_some(4096)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        payload = envelope.HEADER.pack(0, ANNOUNCED - envelope.HEADER_SIZE) + b"x" * (WS_SENT - 5)
+        # FIN + binary, masked, 64-bit length, mask key 0 (the payload goes as it is).
+        frame = bytes([0x82, 0x80 | 127]) + ANNOUNCED.to_bytes(8, "big") + b"\0\0\0\0" + payload
+        received = head.split(b"\r\n\r\n", 1)[1]
+
+        async def send() -> None:
+            try:
+                await sock.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # closed under us: what is expected
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            with trio.fail_after(REGISTER_TIMEOUT):
+                while True:
+                    try:
+                        chunk = await sock.receive_some(65536)
+                    except trio.BrokenResourceError:
+                        break
+                    if not chunk:
+                        break
+                    received += chunk
+            nursery.cancel_scope.cancel()
+    finally:
+        await sock.aclose()
+    # The server's Close frame: 0x88, a length, then the code (1009: message too big) and reason.
+    at = received.find(b"\x88")
+    assert at >= 0, received[:200]
+    code = int.from_bytes(received[at + 2 : at + 4], "big")
+    return f"close {code} " + received[at + 4 : at + 2 + received[at + 1]].decode("latin-1")
+
+
+ROUTES = {
+    "grpc": (lambda port: _h2_first_message(port, "application/grpc"), "grpc-status=8"),
+    "connect": (lambda port: _h2_first_message(port, "application/connect+proto"), "resource_exhausted"),
+    "websocket": (_ws_first_message, "close 1009"),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_ten_oversized_first_messages_at_once_are_refused_as_they_arrive(
+    cp: ControlProcess, route: str
+) -> None:
+    """Ten unauthenticated peers at once, each announcing a 3.9 MB first message and sending part
+    of it: each is refused within seconds (before its message could complete, long before the
+    30 s Register timeout), and the control plane's RSS does not grow by what they announced.
+    Read whole before the cap applied, ten such WebSocket messages cost 37 MB."""
+    assert cp.proc is not None
+    attempt, refusal = ROUTES[route]
+    port = cp.agent_port
+
+    async def one(took: list[float], answers: list[str]) -> None:
+        began = trio.current_time()
+        answers.append(await attempt(port))
+        took.append(trio.current_time() - began)
+
+    async def ten() -> tuple[list[float], list[str]]:
+        took: list[float] = []
+        answers: list[str] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(10):
+                nursery.start_soon(one, took, answers)
+        return took, answers
+
+    trio.run(ten)  # warm-up: code paths, the first connections' buffers
+    before = rss_kib(cp.proc.pid)
+    took, answers = trio.run(ten)
+    after = rss_kib(cp.proc.pid)
+    print(
+        f"{route}: ten 3.9 MB first messages refused in {min(took):.2f}-{max(took):.2f} s; "
+        f"control plane RSS {before} KiB -> {after} KiB"
+    )
+    assert all(refusal in a for a in answers), answers
+    assert max(took) < REGISTER_TIMEOUT / 3, took
+    # Each peer may cost at most the cap while its message arrives; none is kept.
+    assert after - before < 12 * 1024, (before, after)
+    assert cp.api("/api/nodes") == []

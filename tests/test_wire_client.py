@@ -11,7 +11,7 @@ import trio
 
 import schema
 from tests.wirepeers import ack, heartbeat, register
-from transport import Code, GoAwayReceived, RpcError, StreamOptions, StreamServer, open_stream
+from transport import Code, GoAwayReceived, RpcError, StreamOptions, StreamServer, TransportError, open_stream
 
 CARRIERS = [("http", "grpc"), ("http", "connect"), ("ws", "grpc")]
 
@@ -64,6 +64,34 @@ async def test_pipelined_and_pushed(
                 await stream.send(heartbeat(10_000 + i))
         assert got[:300] == list(range(300)) or sorted(got) == sorted([*range(300), *range(10_000, 11_000)])
         assert [g for g in got if g >= 10_000] == list(range(10_000, 11_000))
+
+
+@pytest.mark.parametrize(("scheme", "protocol"), CARRIERS)
+async def test_the_first_message_has_the_tighter_cap_and_the_next_the_stream_limit(
+    echo_server: tuple[StreamServer, int], scheme: str, protocol: str
+) -> None:
+    """On every carrier the first message (the Register) is refused over 1 MiB, while a 3 MB message
+    right behind a small first one (sent without waiting: the WebSocket route widens its cap as the
+    first message completes, before the next is read) is taken under the stream's 4 MiB."""
+    _, port = echo_server
+    opts = StreamOptions(protocol=protocol)  # type: ignore[arg-type]
+    big = register("echo", hostname="h" * 3_000_000, message_id=2)
+    async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
+        await stream.send(heartbeat(1))
+        await stream.send(big)
+        replies = [await stream.receive(), await stream.receive()]
+        assert [r.ack.message_id for r in replies if r is not None and r.ack is not None] == [1, 2]
+
+    with trio.fail_after(10):
+        async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
+            with pytest.raises((RpcError, TransportError)) as info:
+                await stream.send(big)
+                await stream.receive()
+    if isinstance(info.value, RpcError):
+        assert info.value.code is Code.RESOURCE_EXHAUSTED
+        assert "exceeds the limit of 1048576 bytes" in info.value.message
+    else:
+        assert scheme == "ws" and "1009" in str(info.value), info.value
 
 
 async def test_oversized_outgoing_message_is_refused_before_sending(

@@ -145,10 +145,30 @@ class RpcClientStream(H2Stream):
             return RpcError(http_status_to_code(self.http_status), f"HTTP {self.http_status}: {text}{hint}")
         if self.status is not None:
             return self.status
+        if not self.status_seen and self.protocol == "connect" and self.remote_ended:
+            self._find_connect_end()
+            if self.status is not None:
+                return self.status
         if not self.status_seen:
             what = "grpc-status trailer" if self.protocol == "grpc" else "Connect end-of-stream message"
             return RpcError(Code.INTERNAL, f"server ended the stream without a {what}")
         return None
+
+    def _find_connect_end(self) -> None:
+        """The Connect status among what arrived but was not read: a server that refuses a call
+        while the client is still sending (a first message over its cap) ends it with the status
+        and RST_STREAM(NO_ERROR), and the sender, stopped mid-message, asks how it ended before
+        anyone read the status. What precedes it is dropped: the call is over."""
+        while True:
+            try:
+                env = self.decoder.next_event()
+            except envelope.FramingError:
+                return
+            if not isinstance(env, envelope.Envelope):
+                return
+            if env.end_stream:
+                self.on_connect_end(env.payload)
+                return
 
 
 class ServerStreamCall:
