@@ -22,7 +22,6 @@ next ``send`` or ``receive`` raises it, so a session sees every failure in the o
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -36,11 +35,9 @@ import trio_websocket
 import schema
 from schema import envelope
 from schema.rpc import Code, RpcError, decode_connect_end_stream
-from transport.client import RpcClientStream, connect, dial, split_url, with_background
+from transport.client import RpcClientStream, closed_hint, connect, dial, split_url, with_background
 from transport.h2io import ConnectionLost, PeerUnresponsive, TransportError, peer_text
 from transport.tls import ClientTLS
-
-log = logging.getLogger("llmgw.transport.agentstream")
 
 Protocol = Literal["grpc", "connect"]
 
@@ -116,16 +113,12 @@ AGENT_PORT_HINT = "agents connect to the control plane's [listen] agents address
 
 
 class _H2ClientStream(RpcClientStream, AgentStream):
-    secure = False
-
     def _explain(self, exc: TransportError) -> TransportError:
         """A TLS server that refuses our client certificate (TLS 1.3 checks it after our side of the
         handshake is done) just closes the connection: say what that most likely means."""
-        if self.secure and self.http_status is None and isinstance(exc, ConnectionLost):
-            return ConnectionLost(
-                f"{exc}; the server closed the TLS connection before answering: it may require a client "
-                "certificate (mutual TLS) that was not presented or that its CA does not trust"
-            )
+        secure = isinstance(self.transport.stream, trio.SSLStream)
+        if secure and self.http_status is None and isinstance(exc, ConnectionLost):
+            return ConnectionLost(f"{exc}{closed_hint(True, AGENT_PORT_HINT)}")
         return exc
 
     async def receive(self) -> schema.ControlMessage | None:
@@ -187,7 +180,6 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
             max_message_size=options.max_message_size,
             stream=_H2ClientStream,
         )
-        st.secure = secure
         await connection.transport.flush()
         yield st
 

@@ -23,6 +23,7 @@ from h2.errors import ErrorCodes
 from schema import envelope
 from schema.rpc import (
     CONNECT_CONTENT_TYPE,
+    GRPC_CONTENT_TYPE,
     GRPC_CONTENT_TYPES,
     Code,
     encode_connect_end_stream,
@@ -245,7 +246,7 @@ class ServerProtocol:
                 stream_id,
                 [
                     (b":status", b"200"),
-                    (b"content-type", GRPC_CONTENT_TYPES[0].encode()),
+                    (b"content-type", GRPC_CONTENT_TYPE.encode()),
                     *grpc_status_headers(code, message),
                 ],
                 end_stream=True,
