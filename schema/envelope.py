@@ -125,3 +125,18 @@ class EnvelopeDecoder:
     def buffered(self) -> int:
         """Bytes received but not yet returned as an envelope (for flow-control accounting)."""
         return len(self._buf)
+
+
+def decode_one(data: bytes, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> Envelope:
+    """The one envelope that ``data`` holds whole (a WebSocket message carries exactly one).
+
+    Raises :class:`MessageTooLarge` for a header over ``max_size`` and :class:`FramingError` for
+    anything but exactly one complete envelope.
+    """
+    decoder = EnvelopeDecoder(max_size)
+    decoder.receive_data(data)
+    decoder.receive_data(b"")
+    env = decoder.next_event()
+    if not isinstance(env, Envelope) or decoder.next_event() is not None:
+        raise FramingError("each WebSocket message must hold exactly one envelope")
+    return env

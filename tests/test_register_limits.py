@@ -315,7 +315,7 @@ async def _h2_first_message(port: int, content_type: str) -> str:
 
 async def _ws_first_message(port: int) -> str:
     """A WebSocket first message announced at ``ANNOUNCED`` bytes (one binary frame), of which
-    ``WS_SENT`` are sent, then nothing; the close code the server ended the connection with."""
+    ``WS_SENT`` are sent, then nothing; the frames the server answered with, in words."""
     sock = await trio.open_tcp_stream("127.0.0.1", port)
     try:
         await sock.send_all(
@@ -352,17 +352,33 @@ async def _ws_first_message(port: int) -> str:
             nursery.cancel_scope.cancel()
     finally:
         await sock.aclose()
-    # The server's Close frame: 0x88, a length, then the code (1009: message too big) and reason.
-    at = received.find(b"\x88")
-    assert at >= 0, received[:200]
-    code = int.from_bytes(received[at + 2 : at + 4], "big")
-    return f"close {code} " + received[at + 4 : at + 2 + received[at + 1]].decode("latin-1")
+    return " ".join(_ws_frames(received))
+
+
+def _ws_frames(data: bytes) -> list[str]:
+    """A server's WebSocket frames (unmasked) in words: ``close CODE REASON`` or ``binary PAYLOAD``."""
+    out: list[str] = []
+    pos = 0
+    while pos + 2 <= len(data):
+        opcode, length = data[pos] & 0x0F, data[pos + 1] & 0x7F
+        pos += 2
+        if length >= 126:
+            size = 2 if length == 126 else 8
+            length = int.from_bytes(data[pos : pos + size], "big")
+            pos += size
+        payload = data[pos : pos + length]
+        pos += length
+        if opcode == 0x8:
+            out.append(f"close {int.from_bytes(payload[:2], 'big')} {payload[2:].decode('latin-1')}")
+        else:
+            out.append(f"binary {payload.decode('latin-1')}")
+    return out
 
 
 ROUTES = {
     "grpc": (lambda port: _h2_first_message(port, "application/grpc"), "grpc-status=8"),
     "connect": (lambda port: _h2_first_message(port, "application/connect+proto"), "resource_exhausted"),
-    "websocket": (_ws_first_message, "close 1009"),
+    "websocket": (_ws_first_message, "resource_exhausted"),
 }
 
 

@@ -77,6 +77,26 @@ def test_truncated_envelope_is_named() -> None:
         dec.next_event()
 
 
+def test_a_websocket_message_holds_exactly_one_envelope() -> None:
+    assert envelope.decode_one(envelope.encode(b"hi", envelope.FLAG_END_STREAM)).end_stream
+    for bad in (b"", envelope.encode(b"a") + envelope.encode(b"b"), envelope.encode(b"abc")[:-1]):
+        with pytest.raises(envelope.FramingError):
+            envelope.decode_one(bad)
+    with pytest.raises(envelope.MessageTooLarge, match="exceeds the limit of 2 bytes"):
+        envelope.decode_one(envelope.encode(b"abc"), max_size=2)
+
+
+def test_content_types_name_their_protocol() -> None:
+    from schema.rpc import protocol_of, request_headers
+
+    for protocol in ("grpc", "connect"):
+        assert protocol_of(dict(request_headers(protocol))["content-type"]) == protocol
+    assert protocol_of("application/grpc; charset=utf-8") == "grpc"
+    assert protocol_of("application/json") is None
+    with pytest.raises(ValueError, match="'rest': expected one of grpc, connect"):
+        request_headers("rest")
+
+
 def test_grpc_message_percent_coding_round_trips_unicode() -> None:
     text = "gpu07: refusé ✓ 100%\n"
     encoded = encode_grpc_message(text)

@@ -213,12 +213,10 @@ class _WsClientStream(AgentStream):
             raise self._closed(exc) from exc
         if isinstance(data, str):
             raise RpcError(Code.INTERNAL, "text WebSocket message from the server; expected binary envelopes")
-        decoder = envelope.EnvelopeDecoder(self.options.max_message_size)
-        decoder.receive_data(bytes(data))
-        decoder.receive_data(b"")
-        env = decoder.next_event()
-        if not isinstance(env, envelope.Envelope) or decoder.next_event() is not None:
-            raise RpcError(Code.INTERNAL, "each WebSocket message must hold exactly one envelope")
+        try:
+            env = envelope.decode_one(bytes(data), self.options.max_message_size)
+        except envelope.FramingError as exc:
+            raise RpcError(Code.INTERNAL, f"malformed message from the server: {exc}") from exc
         if env.end_stream:
             self.done = True
             status = decode_connect_end_stream(env.payload)

@@ -49,3 +49,10 @@ class ServerLimits:
     #: in one line per ``log_burst_interval`` seconds (see :mod:`transport.bursts`).
     log_burst_keep: int = 3
     log_burst_interval: float = 10.0
+
+    def message_limit(self, received: int) -> int:
+        """The payload limit of a stream's next message after ``received`` messages: the first is
+        held to ``max_first_message_size`` (on every route), the rest to ``max_message_size``."""
+        if received == 0:
+            return min(self.max_message_size, self.max_first_message_size)
+        return self.max_message_size

@@ -44,6 +44,8 @@ import h2.exceptions
 import h2.settings
 import trio
 import trio_websocket
+import wsproto
+import wsproto.events
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame, SettingsFrame
 
@@ -69,6 +71,10 @@ log = logging.getLogger("llmgw.transport.server")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HTTP1_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/1\.[01]\r?\n")
 _MAX_HTTP1_HEAD = 16 * 1024
+#: How long a stream's final status (and a WebSocket's close handshake) may take to leave.
+_FINISH_TIMEOUT = 5.0
+#: How long a WebSocket close waits for the peer's answering close.
+_CLOSE_HANDSHAKE_TIMEOUT = 1.0
 #: The first byte of a TLS ClientHello (a handshake record); anything else at a TLS port is plaintext.
 _TLS_HANDSHAKE_RECORD = 0x16
 
@@ -179,8 +185,11 @@ class ServerStream:
         """Bad input from the peer: end the stream with a status that says why, and tell the handler.
 
         The handler's error carries the status to :meth:`StreamServer._run_handler`, which logs the
-        stream's one closing line (a WARNING, since the peer sent what it should not have)."""
-        await self.finish(code, message)
+        stream's one closing line (a WARNING, since the peer sent what it should not have). The
+        status is sent best effort within a bound: a peer that sends what it should not may also
+        never read, nor answer a WebSocket close."""
+        with trio.move_on_after(_FINISH_TIMEOUT):
+            await self.finish(code, message)
         raise PeerRefused(code, message)
 
     async def __aiter__(self) -> AsyncIterator[schema.AgentMessage]:
@@ -243,11 +252,7 @@ class _H2ServerStream(H2Stream, ServerStream):
         if self.finished:
             return None
         limits = self.server.limits
-        self.decoder.max_size = (
-            min(limits.max_message_size, limits.max_first_message_size)
-            if self.received == 0
-            else limits.max_message_size
-        )
+        self.decoder.max_size = limits.message_limit(self.received)
         try:
             env = await self.receive_envelope(limits.stall_timeout)
         except envelope.MessageTooLarge as exc:
@@ -323,31 +328,27 @@ class _WsServerStream(ServerStream):
         except trio_websocket.ConnectionClosed as exc:
             reason = exc.reason
             if reason is not None and reason.code == 1009:
-                # Closed as "message too big" while the message arrived: over the cap for this
-                # message (see _MessageCap). No status can follow a close; the stream's log line
-                # says why.
+                # Closed as "message too big" while the message arrived: longer than its envelope
+                # header said, over this message's limit (see _CappedWebSocket). No status can
+                # follow a close; the stream's log line says why.
                 self.finished = True
-                limit = _MessageCap.limit_for(self.server.limits, self.received)
+                limit = self.server.limits.message_limit(self.received)
                 raise PeerRefused(
                     Code.RESOURCE_EXHAUSTED,
                     f"WebSocket message {self.received + 1} exceeds the limit of {limit} bytes "
                     f"({limit // 1024} KiB) for it; closed (1009) as it arrived",
                 ) from exc
             raise self._closed(exc) from exc
+        if isinstance(data, envelope.MessageTooLarge):  # refused from its header (_CappedWebSocket)
+            await self._refuse(Code.RESOURCE_EXHAUSTED, str(data))
         if isinstance(data, str):
             await self._refuse(Code.INTERNAL, "text WebSocket message; envelopes travel in binary messages")
-        decoder = envelope.EnvelopeDecoder(_MessageCap.limit_for(self.server.limits, self.received))
-        decoder.receive_data(bytes(data))
-        decoder.receive_data(b"")
         try:
-            env = decoder.next_event()
-            extra = decoder.next_event()
+            env = envelope.decode_one(bytes(data), self.server.limits.message_limit(self.received))
         except envelope.MessageTooLarge as exc:
             await self._refuse(Code.RESOURCE_EXHAUSTED, str(exc))
         except envelope.FramingError as exc:
             await self._refuse(Code.INTERNAL, f"malformed envelope: {exc}")
-        if not isinstance(env, envelope.Envelope) or extra is not None:
-            await self._refuse(Code.INTERNAL, "each WebSocket message must hold exactly one envelope")
         if env.end_stream:
             return None
         try:
@@ -383,48 +384,75 @@ class _WsServerStream(ServerStream):
         try:
             end = envelope.encode(encode_connect_end_stream(code, message), envelope.FLAG_END_STREAM)
             await self.ws.send_message(end)
-            await self.ws.aclose(1000)
+            # The close handshake waits for the peer's answer (an agent's comes in milliseconds);
+            # one that never answers is closed with the connection after the stream all the same.
+            with trio.move_on_after(_CLOSE_HANDSHAKE_TIMEOUT):
+                await self.ws.aclose(1000)
         except trio_websocket.ConnectionClosed:
             pass
 
 
-class _MessageCap:
-    """The WebSocket route's message limits applied while a message arrives, not once it is whole.
+class _CappedWebSocket(trio_websocket.WebSocketConnection):
+    """A server WebSocket whose message limits apply while a message arrives, as on HTTP/2.
 
-    trio-websocket checks its connection's ``max_message_size`` against each fragment as it is read,
-    and closes with 1009 (message too big) once a message outgrows it; but the limit is one number
-    for the whole connection, while the first message (the Register, before anything the peer says
-    is believed) has a tighter one (``ServerLimits.max_first_message_size``), as on the HTTP/2
-    routes, where the envelope header alone refuses it. So the connection starts with the first
-    message's limit, and this stands between trio-websocket's reader and the handler: when the
-    reader hands over a complete message, the limit is widened for the next ones before the reader
-    reads on, so no later fragment is ever judged by the first message's bound (nor the first by
-    the wider one). It replaces the reader's channel, a private attribute of trio-websocket (0.12):
-    tests/test_register_limits.py holds it to the behaviour on every route.
+    trio-websocket checks one ``max_message_size`` for the whole connection, on each fragment as it
+    is read; but a stream's first message (the Register, before anything the peer says is believed)
+    has a tighter limit than the rest (``ServerLimits.message_limit``), and HTTP/2 refuses a message
+    from its 5-byte envelope header before buffering any of it. So here, as fragments arrive:
+
+    - the envelope header, once its 5 bytes are in, is judged against the limit of this message:
+      over it, the message is refused at once (the handler's ``get_message`` returns the
+      :class:`envelope.MessageTooLarge`, and the stream ends with RESOURCE_EXHAUSTED as on HTTP/2);
+      the rest of it is dropped unread;
+    - trio-websocket's own check stays as the backstop (a message longer than its envelope says),
+      set to this message's limit; once a message completes, the limit becomes the next one's
+      before the reader reads on, so no fragment is judged by another message's bound.
+
+    It overrides a private method of trio-websocket (0.12, bounded in pyproject.toml) and builds the
+    connection as ``wrap_server_stream`` does; tests/test_register_limits.py and
+    tests/test_wire_client.py hold it to the behaviour on every route.
     """
 
-    def __init__(self, ws: trio_websocket.WebSocketConnection, limits: ServerLimits) -> None:
-        self._ws = ws
-        self._channel = ws._send_channel
+    def __init__(self, stream: trio.abc.Stream, limits: ServerLimits) -> None:
+        super().__init__(
+            stream,
+            wsproto.WSConnection(wsproto.ConnectionType.SERVER),
+            max_message_size=limits.message_limit(0) + envelope.HEADER_SIZE,
+        )
         self._limits = limits
         self._messages = 0
-        ws._max_message_size = self.limit_for(limits, 0) + envelope.HEADER_SIZE
-        ws._send_channel = self  # type: ignore[assignment]
+        self._head = b""
+        self._refused = False
 
-    @staticmethod
-    def limit_for(limits: ServerLimits, received: int) -> int:
-        """The payload limit of a stream's message after ``received`` messages."""
-        if received == 0:
-            return min(limits.max_message_size, limits.max_first_message_size)
-        return limits.max_message_size
+    async def _handle_message_event(
+        self, event: wsproto.events.BytesMessage | wsproto.events.TextMessage
+    ) -> None:
+        if self._refused:
+            return  # the rest of a refused message (and anything after it) is dropped unread
+        if isinstance(event.data, bytes) and len(self._head) < envelope.HEADER_SIZE:
+            self._head += event.data[: envelope.HEADER_SIZE - len(self._head)]
+            if len(self._head) == envelope.HEADER_SIZE:
+                _, length = envelope.HEADER.unpack(self._head)
+                limit = self._limits.message_limit(self._messages)
+                if length > limit:
+                    self._refused = True
+                    self._message_size, self._message_parts = 0, []
+                    await self._send_channel.send(envelope.MessageTooLarge(length, limit, "incoming"))  # type: ignore[arg-type]
+                    return
+        await super()._handle_message_event(event)
+        if event.message_finished:
+            self._messages += 1
+            self._head = b""
+            self._max_message_size = self._limits.message_limit(self._messages) + envelope.HEADER_SIZE
 
-    async def send(self, message: bytes | str) -> None:
-        self._messages += 1
-        self._ws._max_message_size = self.limit_for(self._limits, self._messages) + envelope.HEADER_SIZE
-        await self._channel.send(message)
 
-    async def aclose(self) -> None:
-        await self._channel.aclose()
+async def _accept_websocket(
+    nursery: trio.Nursery, stream: trio.abc.Stream, limits: ServerLimits
+) -> trio_websocket.WebSocketRequest:
+    """``trio_websocket.wrap_server_stream`` with a :class:`_CappedWebSocket`: the handshake request."""
+    connection = _CappedWebSocket(stream, limits)
+    nursery.start_soon(connection._reader_task)
+    return await connection._get_request()
 
 
 class _PrefixedStream(trio.abc.Stream):
@@ -770,14 +798,7 @@ class StreamServer:
     async def _serve_websocket(self, stream: trio.abc.Stream, peer: PeerIdentity) -> None:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(self.limits.handshake_timeout) as hs:
-                request = await trio_websocket.wrap_server_stream(
-                    nursery,
-                    stream,
-                    max_message_size=_MessageCap.limit_for(self.limits, 0) + envelope.HEADER_SIZE,
-                )
-                # Before the handshake is accepted no message can have begun: the cap is in place
-                # before the first fragment arrives.
-                _MessageCap(request._connection, self.limits)
+                request = await _accept_websocket(nursery, stream, self.limits)
                 metadata = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
                 if self._shutting_down or len(self._streams) >= self.limits.max_streams:
                     await request.reject(503, body=b"server shutting down or at its stream limit\n")
@@ -963,7 +984,7 @@ class StreamServer:
                     code, message = _status_of(exc)
             if scope.cancel_called and self._shutting_down and code is Code.OK:
                 code, message = Code.UNAVAILABLE, "server shutting down"
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
+            with trio.CancelScope(shield=True), trio.move_on_after(_FINISH_TIMEOUT):
                 await finish(code, message)
             self._log_end(st, code, message, failed)
         finally:
