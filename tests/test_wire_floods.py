@@ -72,19 +72,25 @@ def test_an_agent_pinging_every_few_seconds_for_hours_is_never_caught() -> None:
     assert sum(proto.control_counts.values()) == 75_600
 
 
-@pytest.mark.parametrize("kind", ["PING", "SETTINGS", "WINDOW_UPDATE"])
+@pytest.mark.parametrize("kind", ["PING", "SETTINGS", "WINDOW_UPDATE", "PRIORITY", "empty DATA"])
 def test_a_burst_over_the_budget_is_named(kind: str) -> None:
     limits = ServerLimits(max_control_frames=100, control_frame_window=10.0)
     client, server, proto = _pair(limits)
+    sid = client.get_next_available_stream_id()
+    client.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "x")])
     for i in range(101):
         if kind == "PING":
             client.ping(i.to_bytes(8, "big"))
         elif kind == "SETTINGS":
             client.update_settings({})
-        else:
+        elif kind == "WINDOW_UPDATE":
             client.increment_flow_control_window(1)
-    decisions = [d for d in _decisions(client, server, proto, 1.0) if d is not None]
-    assert len(decisions) == 1 and isinstance(decisions[0], CloseConnection), decisions
+        elif kind == "PRIORITY":
+            client.prioritize(sid, weight=1 + i % 200)
+        else:
+            client.send_data(sid, b"")
+    decisions = [d for d in _decisions(client, server, proto, 1.0) if isinstance(d, CloseConnection)]
+    assert len(decisions) == 1, decisions
     assert decisions[0].error_code is ErrorCodes.ENHANCE_YOUR_CALM
     assert f"more than 100 control frames within 10 s ({kind} 101 on this connection)" in decisions[0].detail
 

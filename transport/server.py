@@ -437,7 +437,11 @@ class _CappedWebSocket(trio_websocket.WebSocketConnection):
                 if length > limit:
                     self._refused = True
                     self._message_size, self._message_parts = 0, []
-                    await self._send_channel.send(envelope.MessageTooLarge(length, limit, "incoming"))  # type: ignore[arg-type]
+                    refusal = envelope.MessageTooLarge(length, limit, "incoming")
+                    try:
+                        await self._send_channel.send(refusal)  # type: ignore[arg-type]
+                    except (trio.ClosedResourceError, trio.BrokenResourceError):
+                        pass  # the stream is already over (as trio-websocket's own sends)
                     return
         await super()._handle_message_event(event)
         if event.message_finished:
