@@ -18,6 +18,7 @@ from control.agentsvc import MAX_GPUS, MAX_LABELS, MAX_NAME, MAX_SHARDS, REGISTE
 from schema import envelope
 from tests.fleet_procs import ControlProcess, catalog, poll
 from tests.rawh2 import RawPeer
+from tests.rawws import binary_frame_head, read_until_closed, ws_connect, ws_frames
 from tests.support import rss_kib
 
 
@@ -316,21 +317,10 @@ async def _h2_first_message(port: int, content_type: str) -> str:
 async def _ws_first_message(port: int) -> str:
     """A WebSocket first message announced at ``ANNOUNCED`` bytes (one binary frame), of which
     ``WS_SENT`` are sent, then nothing; the frames the server answered with, in words."""
-    sock = await trio.open_tcp_stream("127.0.0.1", port)
+    sock, received = await ws_connect(port)
     try:
-        await sock.send_all(
-            f"GET {schema.WEBSOCKET_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
-            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
-        )
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += await sock.receive_some(4096)
-        assert head.startswith(b"HTTP/1.1 101"), head
         payload = envelope.HEADER.pack(0, ANNOUNCED - envelope.HEADER_SIZE) + b"x" * (WS_SENT - 5)
-        # FIN + binary, masked, 64-bit length, mask key 0 (the payload goes as it is).
-        frame = bytes([0x82, 0x80 | 127]) + ANNOUNCED.to_bytes(8, "big") + b"\0\0\0\0" + payload
-        received = head.split(b"\r\n\r\n", 1)[1]
+        frame = binary_frame_head(ANNOUNCED) + payload
 
         async def send() -> None:
             try:
@@ -341,38 +331,11 @@ async def _ws_first_message(port: int) -> str:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send)
             with trio.fail_after(REGISTER_TIMEOUT):
-                while True:
-                    try:
-                        chunk = await sock.receive_some(65536)
-                    except trio.BrokenResourceError:
-                        break
-                    if not chunk:
-                        break
-                    received += chunk
+                received = await read_until_closed(sock, received)
             nursery.cancel_scope.cancel()
     finally:
         await sock.aclose()
-    return " ".join(_ws_frames(received))
-
-
-def _ws_frames(data: bytes) -> list[str]:
-    """A server's WebSocket frames (unmasked) in words: ``close CODE REASON`` or ``binary PAYLOAD``."""
-    out: list[str] = []
-    pos = 0
-    while pos + 2 <= len(data):
-        opcode, length = data[pos] & 0x0F, data[pos + 1] & 0x7F
-        pos += 2
-        if length >= 126:
-            size = 2 if length == 126 else 8
-            length = int.from_bytes(data[pos : pos + size], "big")
-            pos += size
-        payload = data[pos : pos + length]
-        pos += length
-        if opcode == 0x8:
-            out.append(f"close {int.from_bytes(payload[:2], 'big')} {payload[2:].decode('latin-1')}")
-        else:
-            out.append(f"binary {payload.decode('latin-1')}")
-    return out
+    return " ".join(ws_frames(received))
 
 
 ROUTES = {

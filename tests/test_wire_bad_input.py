@@ -14,6 +14,7 @@ from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame
 import schema
 from schema import envelope
 from tests.rawh2 import RawPeer, raw_call
+from tests.rawws import binary_frame_head, read_until_closed, ws_connect, ws_frames
 from tests.wirepeers import heartbeat, nursery_handler, register
 from transport import Code, RpcError, StreamOptions, StreamServer, open_stream
 
@@ -100,6 +101,23 @@ async def test_peer_that_stalls_mid_message(bystander: tuple[int, object]) -> No
     res = await raw_call(port, envelope.HEADER.pack(0, 100) + b"12345", end_stream=False)
     assert res.grpc_status == str(int(Code.DEADLINE_EXCEEDED))
     assert "10 byte(s) of 105 of a message and then nothing for 1 s" in res.grpc_message
+
+
+async def test_a_websocket_message_that_stalls_is_refused(bystander: tuple[int, object]) -> None:
+    """As on HTTP/2: part of a message, then nothing for the stall timeout (1 s here), ends the
+    stream with DEADLINE_EXCEEDED, well before the Register timeout."""
+    port, _ = bystander
+    sock, received = await ws_connect(port)
+    began = trio.current_time()
+    try:
+        message = envelope.encode(bytes(heartbeat(1)))
+        await sock.send_all(binary_frame_head(len(message)) + message[:-3])
+        with trio.fail_after(10):
+            frames = ws_frames(await read_until_closed(sock, received))
+    finally:
+        await sock.aclose()
+    assert trio.current_time() - began < 5
+    assert any('"code":"deadline_exceeded"' in f and "and then nothing for 1 s" in f for f in frames), frames
 
 
 async def test_connect_protocol_errors_arrive_as_end_stream_json(bystander: tuple[int, object]) -> None:

@@ -309,7 +309,7 @@ class _WsServerStream(ServerStream):
     def __init__(
         self,
         server: StreamServer,
-        ws: trio_websocket.WebSocketConnection,
+        ws: _CappedWebSocket,
         peer: PeerIdentity,
         metadata: dict[str, str],
     ) -> None:
@@ -324,7 +324,7 @@ class _WsServerStream(ServerStream):
         if self.finished:
             return None
         try:
-            data = await self.ws.get_message()
+            data = await self._next_message()
         except trio_websocket.ConnectionClosed as exc:
             reason = exc.reason
             if reason is not None and reason.code == 1009:
@@ -355,6 +355,21 @@ class _WsServerStream(ServerStream):
             return self._note(_parse(env.payload))
         except RpcError as exc:
             await self._refuse(exc.code, exc.message)
+
+    async def _next_message(self) -> bytes | str | envelope.MessageTooLarge:
+        """The next message, as HTTP/2's ``receive_envelope`` waits for one: a message begun must go
+        on arriving (``ServerLimits.stall_timeout`` since its last fragment, checked at least once
+        per timeout), while waiting between messages has no bound here."""
+        stall = self.server.limits.stall_timeout
+        while True:
+            with trio.move_on_after(stall):
+                return await self.ws.get_message()
+            ws = self.ws
+            if ws.partial and trio.current_time() - ws.last_fragment >= stall:
+                await self._refuse(
+                    Code.DEADLINE_EXCEEDED,
+                    f"peer sent {ws.partial} byte(s) of a message and then nothing for {stall:g} s",
+                )
 
     def _closed(self, exc: trio_websocket.ConnectionClosed) -> TransportError:
         reason = exc.reason
@@ -423,12 +438,17 @@ class _CappedWebSocket(trio_websocket.WebSocketConnection):
         self._messages = 0
         self._head = b""
         self._refused = False
+        #: Bytes of the message in progress, and when its last fragment came (the stall watch).
+        self.partial = 0
+        self.last_fragment = 0.0
 
     async def _handle_message_event(
         self, event: wsproto.events.BytesMessage | wsproto.events.TextMessage
     ) -> None:
         if self._refused:
             return  # the rest of a refused message (and anything after it) is dropped unread
+        self.partial += len(event.data)
+        self.last_fragment = trio.current_time()
         if isinstance(event.data, bytes) and len(self._head) < envelope.HEADER_SIZE:
             self._head += event.data[: envelope.HEADER_SIZE - len(self._head)]
             if len(self._head) == envelope.HEADER_SIZE:
@@ -447,6 +467,7 @@ class _CappedWebSocket(trio_websocket.WebSocketConnection):
         if event.message_finished:
             self._messages += 1
             self._head = b""
+            self.partial = 0
             self._max_message_size = self._limits.message_limit(self._messages) + envelope.HEADER_SIZE
 
 
@@ -812,6 +833,7 @@ class StreamServer:
             if hs.cancelled_caught:
                 nursery.cancel_scope.cancel()
                 return
+            assert isinstance(ws, _CappedWebSocket)  # request.accept() hands back our connection
             st = _WsServerStream(self, ws, peer, metadata)
             await self._run_handler(st, st.finish)
             nursery.cancel_scope.cancel()
