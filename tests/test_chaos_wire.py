@@ -158,7 +158,7 @@ def test_killed_agent_is_one_info_line_naming_node_and_address(pair: Pair) -> No
     lines = poll("the control plane to log the stream's end", ended, timeout=15)
     assert len(lines) == 1
     assert re.search(
-        r" INFO llmgw\.control\.transport: node 'gpu01' \(127\.0\.0\.1:\d+\): grpc stream ended: ", lines[0]
+        r" INFO llmgw\.transport\.server: node 'gpu01' \(127\.0\.0\.1:\d+\): grpc stream ended: ", lines[0]
     ), lines[0]
     poll("gpu01 unreachable", lambda: not pair.node_ready())
     _no_fault_lines(pair.cp.log.read_text(), "control plane")
