@@ -28,7 +28,8 @@ from hyperframe.frame import GoAwayFrame
 
 from schema import envelope
 
-_CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+#: The 24 bytes a client opens every HTTP/2 connection with (RFC 9113 3.4).
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
 class TransportError(Exception):
@@ -160,7 +161,7 @@ class H2Transport:
         self.stream = stream
         self.conn = conn
         # A server reads the client's connection preface before the first frame.
-        self._goaway_finder = GoAwayFinder(0 if conn.config.client_side else len(_CLIENT_PREFACE))
+        self._goaway_finder = GoAwayFinder(0 if conn.config.client_side else len(PREFACE))
         #: True once the peer's GOAWAY was fed to h2: every later byte is absorbed unread.
         self.peer_went_away = False
         #: True once we announced a graceful GOAWAY (see :meth:`announce_goaway`).

@@ -54,7 +54,7 @@ from schema import envelope
 from schema.fastpath import decode_agent_message
 from schema.rpc import Code, RpcError, encode_connect_end_stream, grpc_status_headers
 from transport.bursts import BurstLog
-from transport.h2io import H2Stream, H2Transport, StalledMessage, TransportError, peer_text
+from transport.h2io import PREFACE, H2Stream, H2Transport, StalledMessage, TransportError, peer_text
 from transport.h2proto import (
     CloseConnection,
     Ignored,
@@ -68,7 +68,6 @@ from transport.tls import ServerTLS
 
 log = logging.getLogger("llmgw.transport.server")
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HTTP1_REQUEST_LINE = re.compile(rb"^[A-Z]{3,10} \S+ HTTP/1\.[01]\r?\n")
 _MAX_HTTP1_HEAD = 16 * 1024
 #: How long a stream's final status (and a WebSocket's close handshake) may take to leave.
