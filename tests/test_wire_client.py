@@ -12,6 +12,7 @@ import trio
 import schema
 from tests.wirepeers import ack, heartbeat, register
 from transport import Code, GoAwayReceived, RpcError, StreamOptions, StreamServer, open_stream
+from transport.client import RpcClientStream, connect
 
 CARRIERS = [("http", "grpc"), ("http", "connect"), ("ws", "grpc")]
 
@@ -90,6 +91,22 @@ async def test_the_first_message_has_the_tighter_cap_and_the_next_the_stream_lim
                 await stream.receive()
     assert info.value.code is Code.RESOURCE_EXHAUSTED
     assert "exceeds the limit of 1048576 bytes" in info.value.message
+
+
+async def test_one_connection_carries_several_calls(echo_server: tuple[StreamServer, int]) -> None:
+    """Dial once, open calls on the connection (as httpcore's connection carries its requests):
+    three interleaved calls, each answered on its own stream, over one connection to the server."""
+    server, port = echo_server
+    async with connect("127.0.0.1", port) as connection:
+        calls = [connection.open_call(schema.CONNECT_PATH, stream=RpcClientStream) for _ in range(3)]
+        for i, call in enumerate(calls):
+            await call.send_message(bytes(heartbeat(100 + i)))
+        for i, call in reversed(list(enumerate(calls))):
+            env = await call.receive_envelope()
+            assert env is not None
+            assert schema.ControlMessage.parse(env.payload).ack.message_id == 100 + i
+        assert len(server._transports) == 1 and server.active_streams == 3
+        assert len({call.stream_id for call in calls}) == 3
 
 
 async def test_oversized_outgoing_message_is_refused_before_sending(
