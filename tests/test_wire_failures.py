@@ -11,6 +11,7 @@ import h2.connection
 import h2.events
 import pytest
 import trio
+import trio.testing
 from h2.errors import ErrorCodes
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, WindowUpdateFrame
 
@@ -29,6 +30,7 @@ from transport import (
     TransportError,
     open_stream,
 )
+from transport.h2io import H2Transport
 
 
 @pytest.mark.chaos
@@ -225,3 +227,53 @@ async def test_cancelled_server_says_goaway_and_ends_streams_with_unavailable(nu
     assert [e.code() for e in grpc_error] == [grpc.StatusCode.UNAVAILABLE]
     assert grpc_error[0].details() == "server shutting down"
     assert server.active_streams == 0
+
+
+class _GatedStream(trio.abc.Stream):
+    """A connection whose writes wait for the test to let them through."""
+
+    def __init__(self) -> None:
+        self.sent = b""
+        self.entered = trio.Event()
+        self.release = trio.Event()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.entered.set()
+        await self.release.wait()
+        self.sent += bytes(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError("not reached")
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_bytes_taken_from_h2_leave_even_when_the_flushing_task_is_cancelled() -> None:
+    """A handler cancelled while it flushes (its stream just reset by the peer) must not drop what
+    h2 had queued for the whole connection: a lost WINDOW_UPDATE starved the connection, and the
+    next call on it (grpcio reuses connections) hung until its deadline."""
+    stream = _GatedStream()
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.data_to_send()  # the preface: not what this is about
+    transport = H2Transport(stream, conn)
+    conn.ping(b"12345678")  # what another stream's task queued, waiting for the next flush
+    scope = trio.CancelScope()
+
+    async def flusher() -> None:
+        with scope:
+            await transport.flush()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flusher)
+            await stream.entered.wait()
+            scope.cancel()  # while the bytes are on their way
+            stream.release.set()
+    assert stream.sent == bytes(PingFrame(0, opaque_data=b"12345678").serialize())
+    assert transport.error is None

@@ -28,6 +28,8 @@ from hyperframe.frame import GoAwayFrame
 
 from schema import envelope
 
+#: How long one write to the peer may take before the connection is given up (see ``flush``).
+SEND_TIMEOUT = 10.0
 #: The 24 bytes a client opens every HTTP/2 connection with (RFC 9113 3.4).
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -176,16 +178,32 @@ class H2Transport:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    async def flush(self) -> None:
-        """Send whatever h2 has queued. Taken under the lock so bytes leave in the order h2 made them."""
+    async def flush(self, timeout: float = SEND_TIMEOUT) -> None:
+        """Send whatever h2 has queued. Taken under the lock so bytes leave in the order h2 made them.
+
+        Once taken out of h2 the bytes must leave whole, whoever called: they may hold any stream's
+        frames, and a caller cancelled mid-send (a handler whose stream the peer just reset) would
+        drop them, a lost WINDOW_UPDATE starving the whole connection (the next call on it hung
+        until its deadline) and a half-sent frame corrupting it. So the send is shielded from the
+        caller's cancellation and bounded by ``timeout`` instead: a peer that reads nothing for that
+        long fails the connection, which is closed (what was half sent cannot be taken back).
+        """
         async with self._send_lock:
             data = self.conn.data_to_send()
             if not data:
                 return
-            try:
-                await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise self.fail(ConnectionLost(f"connection lost while sending: {_cause(exc)}")) from exc
+            with trio.CancelScope(shield=True):
+                try:
+                    with trio.move_on_after(timeout) as timer:
+                        await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    raise self.fail(ConnectionLost(f"connection lost while sending: {_cause(exc)}")) from exc
+                if timer.cancelled_caught:
+                    error = self.fail(
+                        PeerUnresponsive(f"peer did not take {len(data)} bytes within {timeout:g} s")
+                    )
+                    await self.abort()
+                    raise error
 
     async def wait_window(self) -> None:
         """Block until a WINDOW_UPDATE, a SETTINGS change, a reset or a failure could free window."""
@@ -366,8 +384,7 @@ class H2Transport:
         except h2.exceptions.ProtocolError:
             return
         try:
-            with trio.move_on_after(1):
-                await self.flush()
+            await self.flush(timeout=1)
         except TransportError:
             pass
 
