@@ -81,7 +81,7 @@ def _event(event: KVEvent, arrays: bool) -> Any:
 
 
 def _pack(value: Any) -> bytes:
-    packed: bytes = msgpack.packb(value, use_bin_type=True)  # type: ignore[no-untyped-call]
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
     return packed
 
 
