@@ -34,10 +34,9 @@ from agent.supervise import Shard, Supervisor
 
 #: A sample older than this many heartbeat intervals is stale.
 STALE_INTERVALS = 2
-#: The most requests a count may say (well above any engine's batch plus queue): above is clamped.
-MAX_REQUESTS = 1_000_000
-#: The most generation tokens per second believed from one engine: above is clamped.
-MAX_TOKENS_PER_SECOND = 10_000_000.0
+#: The most requests a count may say, and tokens per second (the wire's bounds): above is clamped.
+MAX_REQUESTS = schema.MAX_LOAD_REQUESTS
+MAX_TOKENS_PER_SECOND = schema.MAX_LOAD_TOKENS_PER_SECOND
 #: The most bytes of a ``/metrics`` answer read (vLLM's is about 60 KiB with its histograms).
 MAX_METRICS_BYTES = 4 * 1024 * 1024
 #: The longest error text sent.
