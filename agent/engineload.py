@@ -39,6 +39,8 @@ MAX_REQUESTS = schema.MAX_LOAD_REQUESTS
 MAX_TOKENS_PER_SECOND = schema.MAX_LOAD_TOKENS_PER_SECOND
 #: The most bytes of a ``/metrics`` answer read (vLLM's is about 60 KiB with its histograms).
 MAX_METRICS_BYTES = 4 * 1024 * 1024
+#: The shortest bound on one scrape.
+MIN_TIMEOUT = 1.0
 #: The longest error text sent.
 MAX_ERROR = 200
 #: Shard states whose engine is asked for its load (a draining engine still runs requests).
@@ -163,7 +165,7 @@ def parse(text: str, series: LoadSeries, at: float) -> Reading:
         name, value = found
         limit = 1.0 if figure in ("kv_usage", "hit_rate") else float(MAX_REQUESTS)
         if value > limit:
-            problems.append(f"{name} is {value:g}: clamped to {limit:g}")
+            problems.append(f"{name} is {value:g}: clamped to {limit:.10g}")
             value = limit
         figures[figure] = value
     for figure in ("prefix_hits", "prefix_queries", "generation_tokens"):
@@ -231,8 +233,9 @@ class LoadScraper:
     def __init__(self, supervisor: Supervisor, interval: float, *, timeout: float | None = None) -> None:
         self.supervisor = supervisor
         self.interval = interval
-        #: One scrape's bound: an interval, so a hung engine has at most one scrape outstanding.
-        self.timeout = timeout if timeout is not None else interval
+        #: One scrape's bound: an interval (a second at least, so a busy engine's answer is not
+        #: cut short at a test's sub-second interval); a hung engine has one scrape outstanding.
+        self.timeout = timeout if timeout is not None else max(interval, MIN_TIMEOUT)
         self._tracks: dict[str, _Track] = {}
 
     async def run(self) -> None:
