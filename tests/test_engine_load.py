@@ -17,9 +17,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -30,7 +32,7 @@ from agent.engineload import LOAD_SERIES, MAX_REQUESTS, Reading, figures, parse
 from control.agentsvc import shard_load_problem
 from control.ctl.text import load_cells, load_words
 from control.query import EngineLoad, replica_load
-from tests.fleet_procs import one_node, poll
+from tests.fleet_procs import ControlProcess, catalog, one_node, poll
 from tests.test_agent import agent_process, registered, start_spec, state_of
 
 State = schema.ShardState
@@ -370,3 +372,47 @@ def test_load_follows_traffic_and_ctl_matches_the_engine(tmp_path: Path) -> None
         assert gauges[("llmgw_replica_requests_running", model)] == 0, gauges
         assert gauges[("llmgw_replica_load_stale", model)] == 0, gauges
         assert ("llmgw_replica_kv_cache_usage", model) not in gauges  # the sim publishes none
+
+
+def test_a_load_out_of_range_is_dropped_and_the_heartbeat_still_counts(tmp_path: Path) -> None:
+    """A real control plane, a grpcio agent stream: a heartbeat whose engine load says NaN keeps
+    the stream and the node (the heartbeat proves it alive), and the load is refused by name."""
+    cp = ControlProcess(tmp_path / "cp", catalog("ld", tmp_path / "cp" / "state"))
+    cp.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{cp.agent_port}")
+    finish = threading.Event()
+    outcome: list[object] = []
+    try:
+        call = channel.stream_stream(
+            schema.CONNECT_PATH, request_serializer=bytes, response_deserializer=schema.ControlMessage.parse
+        )
+        bad = schema.ShardLoad(shard_id="chat-0-0", replica_id="chat-0", kv_cache_usage=math.nan)
+
+        def requests() -> Iterator[schema.AgentMessage]:
+            yield schema.AgentMessage(
+                message_id=1, register=schema.Register(node_id="n1", hostname="h", token=cp.join_token())
+            )
+            yield schema.AgentMessage(message_id=2, heartbeat=schema.Heartbeat(node_id="n1", loads=[bad]))
+            finish.wait(60)
+
+        def run() -> None:
+            try:
+                outcome.extend(call(requests(), timeout=90))
+            except grpc.RpcError as exc:
+                outcome.append(exc)
+
+        reader = threading.Thread(target=run, daemon=True)
+        reader.start()
+        warning = (
+            "n1: ignored a heartbeat's engine loads: Heartbeat.loads[0].kv_cache_usage is nan; expected 0-1"
+        )
+        poll("the refused load named in the log", lambda: warning in cp.log.read_text(), timeout=30)
+        nodes = cp.api("/api/nodes")
+        assert [(n["node_id"], n["state"], n["connected"]) for n in nodes] == [("n1", "ready", True)], nodes
+        finish.set()
+        reader.join(30)
+        assert not any(isinstance(o, grpc.RpcError) for o in outcome), outcome
+    finally:
+        finish.set()
+        channel.close()
+        cp.terminate()
