@@ -215,6 +215,15 @@ def figures(previous: Reading | None, current: Reading) -> Figures:
     )
 
 
+def scraped(shard: Shard) -> bool:
+    """Whether the agent asks this shard's engine for its load: a running engine that serves HTTP
+    (ranks above 0 of a multi-node replica serve none: rank 0's figures are the replica's)."""
+    spec = shard.spec
+    return (
+        shard.state in SCRAPED_STATES and spec.http_port > 0 and not (spec.nnodes > 1 and spec.node_rank > 0)
+    )
+
+
 @attrs.define
 class _Track:
     """One shard's scrapes: the last good reading, the one before it, the last error."""
@@ -243,7 +252,7 @@ class LoadScraper:
         async with trio.open_nursery() as scrapes:
             while True:
                 for shard in list(self.supervisor.shards.values()):
-                    if shard.state not in SCRAPED_STATES or shard.engine not in LOAD_SERIES:
+                    if not scraped(shard) or shard.engine not in LOAD_SERIES:
                         continue
                     track = self._tracks.get(shard.shard_id)
                     if track is None or track.shard is not shard:
@@ -265,8 +274,9 @@ class LoadScraper:
             if bound.cancelled_caught:
                 track.error = f"GET {series.path} timed out after {self.timeout:g} s"
                 return
-            reading = parse(text, series, trio.current_time())
-        except (httpx.HTTPError, ValueError, UnicodeDecodeError) as exc:
+            # Parsing megabytes of text is CPU work: off the trio thread.
+            reading = await trio.to_thread.run_sync(parse, text, series, trio.current_time())
+        except Exception as exc:  # an engine's bad answer must never end the agent's root nursery
             detail = str(exc).splitlines()[0] if str(exc) else ""
             track.error = f"GET {series.path}: {type(exc).__name__}" + (f": {detail}" if detail else "")
             return
@@ -294,7 +304,7 @@ class LoadScraper:
         now = trio.current_time()
         out = []
         for shard in self.supervisor.shards.values():
-            if shard.state not in SCRAPED_STATES:
+            if not scraped(shard):
                 continue
             track = self._tracks.get(shard.shard_id)
             out.append(self._load(shard, track if track and track.shard is shard else None, now))
@@ -336,4 +346,5 @@ __all__ = [
     "figures",
     "no_loads",
     "parse",
+    "scraped",
 ]
