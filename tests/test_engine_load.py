@@ -307,9 +307,11 @@ def test_load_follows_traffic_and_ctl_matches_the_engine(tmp_path: Path) -> None
 
         def replica() -> dict[str, Any] | None:
             reps = [r for r in cp.api("/api/replicas") if r["model"] == model]
-            return reps[0] if reps and reps[0]["state"] == "ready" and reps[0]["load"] else None
+            load = reps[0]["load"] if reps and reps[0]["state"] == "ready" else None
+            return reps[0] if load and not load["stale"] else None
 
-        ready = poll("a ready replica with a load", replica, timeout=90)
+        # Its first heartbeats say "no sample yet" (stale), until the first scrape is in.
+        ready = poll("a ready replica with a fresh load", replica, timeout=90)
         assert ready["load"]["running"] == 0, ready
         url = ready["shards"][0]["url"]
         client = openai.OpenAI(
