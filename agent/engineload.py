@@ -6,8 +6,8 @@ prefix-cache hit rate, generation tokens per second. The agent supervises the en
 their own Prometheus ``/metrics`` on the heartbeat interval and the heartbeat carries the latest
 sample per shard.
 
-- ``LOAD_SERIES`` is the one table of which series means what, per engine. It belongs with each
-  engine's descriptor (``enginedefs``, being written): it lives here, in one place, until then.
+- Which series means what is each engine's descriptor's (``enginedefs``: ``publishes.load``);
+  ``LOAD_SERIES`` is that table by engine name.
 - ``parse`` is the one reading of an engine's Prometheus text (``prometheus_client``'s parser),
   with every number bounded: NaN, infinities and negatives are refused, absurd counts clamped,
   and either is named in the sample's ``problems``.
@@ -29,8 +29,10 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+import enginedefs
 import schema
 from agent.supervise import Shard, Supervisor
+from enginedefs import LoadSeries
 
 #: A sample older than this many heartbeat intervals is stale.
 STALE_INTERVALS = 2
@@ -47,56 +49,10 @@ MAX_ERROR = 200
 SCRAPED_STATES = (schema.ShardState.READY, schema.ShardState.UNHEALTHY, schema.ShardState.DRAINING)
 
 
-@attrs.frozen
-class LoadSeries:
-    """Which Prometheus samples (names as exposed, counters with ``_total``) give each figure for
-    one engine; the first name present wins, so a renamed series lists its new name first."""
-
-    running: tuple[str, ...] = ()
-    waiting: tuple[str, ...] = ()
-    #: A 0..1 gauge of KV cache blocks (or tokens) in use.
-    kv_usage: tuple[str, ...] = ()
-    #: An engine's own hit-rate gauge (0..1), used where it has no hit and query counters.
-    hit_rate: tuple[str, ...] = ()
-    prefix_hits: tuple[str, ...] = ()
-    prefix_queries: tuple[str, ...] = ()
-    #: The counter of generated tokens, whose rate is tokens per second.
-    generation_tokens: tuple[str, ...] = ()
-    path: str = "/metrics"
-
-
-_VLLM = LoadSeries(
-    # vllm/v1/metrics/loggers.py (PrometheusStatLogger).
-    running=("vllm:num_requests_running",),
-    waiting=("vllm:num_requests_waiting",),
-    # kv_cache_usage_perc since 0.10 (a 0..1 fraction despite the name); gpu_cache_usage_perc before.
-    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    # Counters of blocks (tokens) queried and hit; the gpu_ names are the older v1 ones.
-    prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-    prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
-    generation_tokens=("vllm:generation_tokens_total",),
-)
-
-#: engine name -> its series. An engine not listed (trtllm) sends no load; its shards say so.
+#: engine name -> the series of its load (``enginedefs``: ``publishes.load``). An engine without
+#: (trtllm) sends no figures; its shards' loads say so.
 LOAD_SERIES: Mapping[str, LoadSeries] = {
-    "vllm": _VLLM,
-    # The simulator publishes vLLM's names (agent/engines/sim).
-    "sim": _VLLM,
-    # sglang/srt/metrics/collector.py (SchedulerMetricsCollector, TokenizerMetricsCollector).
-    "sglang": LoadSeries(
-        running=("sglang:num_running_reqs",),
-        waiting=("sglang:num_queue_reqs",),
-        kv_usage=("sglang:token_usage",),
-        hit_rate=("sglang:cache_hit_rate",),
-        generation_tokens=("sglang:generation_tokens_total",),
-    ),
-    # llama.cpp tools/server (--metrics): busy slots and deferred requests.
-    "llamacpp": LoadSeries(
-        running=("llamacpp:requests_processing",),
-        waiting=("llamacpp:requests_deferred",),
-        kv_usage=("llamacpp:kv_cache_usage_ratio",),
-        generation_tokens=("llamacpp:tokens_predicted_total",),
-    ),
+    d.name: d.publishes.load for d in enginedefs.DESCRIPTORS if d.publishes.load is not None
 }
 
 
@@ -268,17 +224,19 @@ class LoadScraper:
 
     async def _scrape(self, track: _Track) -> None:
         series = LOAD_SERIES[track.shard.engine]
+        descriptor = enginedefs.lookup(track.shard.engine)
+        path = descriptor.publishes.metrics_path if descriptor is not None else "/metrics"
         try:
             with trio.move_on_after(self.timeout) as bound:
-                text = await self._fetch(track.shard, series.path)
+                text = await self._fetch(track.shard, path)
             if bound.cancelled_caught:
-                track.error = f"GET {series.path} timed out after {self.timeout:g} s"
+                track.error = f"GET {path} timed out after {self.timeout:g} s"
                 return
             # Parsing megabytes of text is CPU work: off the trio thread.
             reading = await trio.to_thread.run_sync(parse, text, series, trio.current_time())
         except Exception as exc:  # an engine's bad answer must never end the agent's root nursery
             detail = str(exc).splitlines()[0] if str(exc) else ""
-            track.error = f"GET {series.path}: {type(exc).__name__}" + (f": {detail}" if detail else "")
+            track.error = f"GET {path}: {type(exc).__name__}" + (f": {detail}" if detail else "")
             return
         finally:
             track.busy = False
@@ -341,7 +299,6 @@ __all__ = [
     "STALE_INTERVALS",
     "Figures",
     "LoadScraper",
-    "LoadSeries",
     "Reading",
     "figures",
     "no_loads",
