@@ -203,8 +203,10 @@ def test_get_replicas_and_models(node: Node) -> None:
         wide = ctl("get", "replicas", "-o", "wide", "--api", node.api)
         header, rows = header_and_rows(wide.stdout)
         row = next(r for r in rows if r[1] == CHAT)
-        # Once the agent has two samples of the idle engine: its rate is known too.
-        return (header, row) if row[10:] == ["0", "0", "-", "-", "0.0"] else None
+        # Once the agent has two samples of the idle engine: its rate is known too, and no prefix
+        # was looked up in the interval (the hit rate is unknown then, not 0).
+        idle = row[10:12] == ["0", "0"] and row[12].isdigit() and row[13:] == ["-", "0.0"]
+        return (header, row) if idle else None
 
     header, row = poll("the idle engine's load in get replicas -o wide", wide_row, timeout=30)
     assert header[5:] == [

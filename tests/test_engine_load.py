@@ -263,13 +263,19 @@ def test_a_hanging_metrics_never_delays_heartbeats_and_shows_stale(tmp_path: Pat
 # -- a real fleet under traffic ------------------------------------------------------------------
 
 
-def _engine_running(url: str) -> float:
+def _engine_gauges(url: str) -> tuple[float, float, float]:
+    """The engine's own running, waiting and KV-usage gauges, read straight from its /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        s.value
+    values = {
+        s.name: s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "vllm:num_requests_running"
+        if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    }
+    return (
+        values["vllm:num_requests_running"],
+        values["vllm:num_requests_waiting"],
+        values["vllm:kv_cache_usage_perc"],
     )
 
 
@@ -345,17 +351,21 @@ def test_load_follows_traffic_and_ctl_matches_the_engine(tmp_path: Path) -> None
         seen = poll("the heartbeat-carried running count above 0", busy, timeout=30)
         assert seen["running"] <= streams, seen
 
-        def agree() -> tuple[float, dict[str, str]] | None:
-            # ctl's figures against the engine's own, read around them: equal while the engine's
-            # gauge held still across the ctl call (at most one interval old).
-            before = _engine_running(url)
+        def agree() -> tuple[tuple[float, float, float], dict[str, str]] | None:
+            # ctl's figures against the engine's own, read around them: the counts equal while
+            # the engine's gauges held still across the ctl call (ctl's are at most an interval
+            # old); KV use only grows while the streams run, so ctl's lies between the two reads.
+            before = _engine_gauges(url)
             shown = _ctl_load(cp.api_port)
-            after = _engine_running(url)
-            return (before, shown) if before == after and shown["RUNNING"] == f"{before:.0f}" else None
+            after = _engine_gauges(url)
+            same = before[:2] == after[:2] and [shown["RUNNING"], shown["WAITING"]] == [
+                f"{v:.0f}" for v in before[:2]
+            ]
+            return (after, shown) if same else None
 
-        running, shown = poll("ctl's RUNNING equals the engine's /metrics", agree, timeout=30)
-        assert running > 0 and float(shown["TOK/S"]) > 0, shown
-        assert shown["WAITING"] == "0" and shown["KV%"] == "-" and shown["HIT%"] == "-", shown
+        engine, shown = poll("ctl's RUNNING and WAITING equal the engine's /metrics", agree, timeout=30)
+        assert engine[0] > 0 and float(shown["TOK/S"]) > 0, shown
+        assert 0 < float(shown["KV%"]) <= round(engine[2] * 100), (shown, engine)
         done.wait(timeout=120)
         assert not errors, errors
 
@@ -364,6 +374,15 @@ def test_load_follows_traffic_and_ctl_matches_the_engine(tmp_path: Path) -> None
             return load if load and not load["stale"] and load["running"] == 0 else None
 
         poll("the running count back to 0", idle, timeout=30)
+
+        def settled() -> tuple[tuple[float, float, float], dict[str, str]] | None:
+            # At rest the engine's gauges hold still: ctl shows exactly what the engine says.
+            before, shown, after = _engine_gauges(url), _ctl_load(cp.api_port), _engine_gauges(url)
+            cells = [shown["RUNNING"], shown["WAITING"], shown["KV%"]]
+            expected = [f"{before[0]:.0f}", f"{before[1]:.0f}", f"{before[2] * 100:.0f}"]
+            return (before, shown) if before == after and cells == expected else None
+
+        poll("ctl's figures equal the engine's at rest", settled, timeout=30)
         metrics = httpx.get(f"http://127.0.0.1:{cp.api_port}/metrics", timeout=10).text
         gauges = {
             (s.name, s.labels.get("model")): s.value
@@ -373,7 +392,8 @@ def test_load_follows_traffic_and_ctl_matches_the_engine(tmp_path: Path) -> None
         }
         assert gauges[("llmgw_replica_requests_running", model)] == 0, gauges
         assert gauges[("llmgw_replica_load_stale", model)] == 0, gauges
-        assert ("llmgw_replica_kv_cache_usage", model) not in gauges  # the sim publishes none
+        assert ("llmgw_replica_kv_cache_usage", model) in gauges, gauges
+        assert gauges[("llmgw_replica_generation_tokens_per_second", model)] >= 0, gauges
 
 
 def test_a_load_out_of_range_is_dropped_and_the_heartbeat_still_counts(tmp_path: Path) -> None:
