@@ -32,7 +32,7 @@ from agent.engineload import LOAD_SERIES, MAX_REQUESTS, Reading, figures, parse
 from control.agentsvc import shard_load_problem
 from control.ctl.text import load_cells, load_words
 from control.query import EngineLoad, replica_load
-from tests.fleet_procs import ControlProcess, catalog, one_node, poll
+from tests.fleet_procs import ControlProcess, catalog, free_port, one_node, poll
 from tests.test_agent import agent_process, registered, start_spec, state_of
 
 State = schema.ShardState
@@ -223,7 +223,7 @@ def test_a_hanging_metrics_never_delays_heartbeats_and_shows_stale(tmp_path: Pat
     try:
         agent.start()
         node = registered(cp, "gpu07")
-        ports = [8100 + os.getpid() % 400, 8600 + os.getpid() % 300]
+        ports = [free_port(), free_port()]
         node.send(start=start_spec("good-0-0", ports[0]))
         poll("good-0-0 READY", lambda: state_of(node, "good-0-0", State.READY), timeout=60)
         # Without a hang: the interval's jitter, and a fresh load for the engine.
@@ -307,6 +307,8 @@ def test_load_follows_traffic_and_ctl_matches_the_engine(tmp_path: Path) -> None
     model = f"load{os.getpid()}"
     models = (
         f'[[models]]\nname = "{model}"\n[models.profile]\nengine = "sim"\nmodel = "m"\n'
+        # 64 blocks of 16 tokens: six streams of 75 tokens fill a visible part of the KV cache.
+        'extra_args = ["--num-gpu-blocks-override", "64"]\n'
         'env = { LLMGW_SIM_LOAD_SECONDS = "0.2", LLMGW_SIM_TTFT_MS = "1", LLMGW_SIM_ITL_MS = "40" }\n'
     )
     with one_node(tmp_path, models, "24700-24749") as (cp, _agent):
@@ -366,6 +368,7 @@ def test_load_follows_traffic_and_ctl_matches_the_engine(tmp_path: Path) -> None
         engine, shown = poll("ctl's RUNNING and WAITING equal the engine's /metrics", agree, timeout=30)
         assert engine[0] > 0 and float(shown["TOK/S"]) > 0, shown
         assert 0 < float(shown["KV%"]) <= round(engine[2] * 100), (shown, engine)
+        print(f"under load: ctl {shown}; the engine's own gauges after it {engine}")
         done.wait(timeout=120)
         assert not errors, errors
 
