@@ -30,6 +30,7 @@ from agent import __version__
 from agent.config import AgentConfig
 from agent.discovery import Inventory, NvmlSession, nvidia_smi
 from agent.discovery.model import GpuUsage
+from agent.engineload import LoadScraper
 from agent.engines import ENGINES, LaunchContext, versions
 from agent.engines.versions import Installed
 from agent.metrics import AgentMetrics
@@ -221,6 +222,9 @@ async def run_agent(
         await root.start(supervisor.run)
         if metrics is not None:
             root.start_soon(metrics.watch, supervisor)
+        # In the root nursery, not the session's: samples (and counter rates) survive a reconnect.
+        scraper = LoadScraper(supervisor, config.heartbeat_interval)
+        root.start_soon(scraper.run)
         task_status.started(supervisor)
         attempt = 0
         while True:
@@ -243,6 +247,7 @@ async def run_agent(
                         usage=usage,
                         keep_credential=functools.partial(keep_credential, config),
                         metrics=metrics,
+                        loads=scraper.loads,
                     )
                     result = await session.run()
             except (TransportError, OSError, trio.TooSlowError) as exc:

@@ -9,8 +9,9 @@ the connection. Engines are not in it: they belong to the supervisor, which outl
   supervisor spawns the engine (in a worker thread, in its own nursery, so a session cancelled
   mid-start cannot orphan it) and returns, so the stream keeps carrying heartbeats for the minutes
   a model takes to load. Shard ids are checked (``schema.ids``) before anything else.
-- **heartbeat** sends per-GPU memory and utilization every ``heartbeat_interval``; the transport's
-  h2 PING underneath detects a dead peer within seconds.
+- **heartbeat** sends per-GPU memory and utilization every ``heartbeat_interval``, and each engine's
+  latest load sample (``agent.engineload``: scraped in the background, so never waited for); the
+  transport's h2 PING underneath detects a dead peer within seconds.
 - **a watcher per shard** forwards each supervisor state change as a ShardStatus.
 """
 
@@ -29,6 +30,7 @@ import trio
 import schema
 import statefile
 from agent.discovery.model import GpuUsage
+from agent.engineload import no_loads
 from agent.engines import ProfileRefused
 from agent.metrics import AgentMetrics
 from agent.supervise import Shard, Supervisor
@@ -102,8 +104,11 @@ class Session:
         usage: Callable[[], Sequence[GpuUsage]],
         keep_credential: Callable[[str], Awaitable[None]] | None = None,
         metrics: AgentMetrics | None = None,
+        loads: Callable[[], Sequence[schema.ShardLoad]] = no_loads,
     ) -> None:
         self.stream = stream
+        #: The latest engine load samples (``agent.engineload.LoadScraper.loads``); never blocks.
+        self.loads = loads
         #: Told when the session registers and each heartbeat it writes (``agent.metrics``).
         self.metrics = metrics
         #: Stores a credential the control plane issues in its answer to Register (before the
@@ -196,6 +201,7 @@ class Session:
                     )
                     for g in gpus
                 ],
+                loads=list(self.loads()),
             )
             await self._post(heartbeat=beat)
             await trio.sleep(self.heartbeat_interval)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 
@@ -144,6 +145,49 @@ def _values_problem(reg: schema.Register) -> str:
     checks += [
         _range_problem(f"fabrics[{i}].port", f.port, 0, MAX_HCA_PORT) for i, f in enumerate(reg.fabrics)
     ]
+    return next((c for c in checks if c), "")
+
+
+#: The longest a ShardLoad's sample may be said to be (a day; the agent marks it stale long before).
+MAX_LOAD_AGE = 86_400.0
+
+
+def _fraction_problem(field: str, value: float | None, high: float) -> str:
+    if value is not None and not (math.isfinite(value) and 0 <= value <= high):
+        return f"{field} is {value}; expected 0-{high:g}"
+    return ""
+
+
+def shard_load_problem(loads: Sequence[schema.ShardLoad], field: str) -> str:
+    """Why a Heartbeat's engine loads are out of bounds; empty when they are not. Counts, fractions
+    0..1, rates and ages must be finite and in range (the agent clamps and flags what an engine
+    overstates, so anything beyond is a broken or hostile peer)."""
+    checks = [_count_problem(field, len(loads), MAX_SHARDS)]
+    for i, load in enumerate(loads):
+        at = f"{field}[{i}]"
+        problem = shard_id_problem(load.shard_id)
+        if problem:
+            return f"{at}.{problem}"
+        checks += [
+            _text_problem(f"{at}.replica_id", load.replica_id, MAX_NAME),
+            _text_problem(f"{at}.error", load.error, MAX_NAME * 4),
+            *(
+                _range_problem(f"{at}.{name}", value, 0, schema.MAX_LOAD_REQUESTS)
+                for name, value in (
+                    ("requests_running", load.requests_running),
+                    ("requests_waiting", load.requests_waiting),
+                )
+                if value is not None
+            ),
+            _fraction_problem(f"{at}.kv_cache_usage", load.kv_cache_usage, 1.0),
+            _fraction_problem(f"{at}.prefix_cache_hit_rate", load.prefix_cache_hit_rate, 1.0),
+            _fraction_problem(
+                f"{at}.generation_tokens_per_second",
+                load.generation_tokens_per_second,
+                schema.MAX_LOAD_TOKENS_PER_SECOND,
+            ),
+            _fraction_problem(f"{at}.sample_age_seconds", load.sample_age_seconds, MAX_LOAD_AGE),
+        ]
     return next((c for c in checks if c), "")
 
 
@@ -488,6 +532,11 @@ class AgentService:
                 problem = gpu_usage_problem(msg.heartbeat.gpus, "Heartbeat.gpus")
                 if problem:
                     raise RpcError(Code.INVALID_ARGUMENT, f"{node_id}: {problem}")
+                problem = shard_load_problem(msg.heartbeat.loads, "Heartbeat.loads")
+                if problem:
+                    # The heartbeat still proves the node alive; only its load figures are refused.
+                    log.warning("%s: ignored a heartbeat's engine loads: %s", node_id, problem)
+                    msg.heartbeat.loads = []
                 self.on_transitions(self.fleet.heartbeat(node_id, msg.heartbeat, now))
             elif msg.shard is not None:
                 problem = shard_status_problem(msg.shard, "ShardStatus")

@@ -12,7 +12,10 @@ of a ``ControlView`` (what the plane knows at one instant), and the writes go th
     GET  /api/nodes                 every node: state, why, GPUs (free/total), fabrics, shards,
                                     engines (each one's version, or why it is unknown)
     GET  /api/nodes/NODE            one node, the replicas on it, and its recent events
-    GET  /api/replicas              every placed replica and its shards' observed states
+    GET  /api/replicas              every placed replica and its shards' observed states, with each
+                                    engine's load from its agent's heartbeats (``load``: running,
+                                    waiting, kv_usage, hit_rate, tokens_per_second, age_s, stale,
+                                    error; null when none was sent) and the replica's together
     GET  /api/models                every model: replicas wanted, placed and ready, and why not placed
     GET  /api/models/MODEL          MODEL's replicas (as why), and its shards' recent events
     POST /api/models                create or update models: {"toml": "[[models]] ...", "source":
@@ -82,8 +85,17 @@ from control.events import Event
 from control.fleet import LIVE_SHARD_STATES, Node, NodeState
 from control.fleetmetrics import FleetMetrics
 from control.notfound import unknown_model, unknown_node
-from control.placement import model_name_of
-from control.query import CatalogConflict, Change, ControlQuery, ControlView, DrainRefused, engine_views
+from control.placement import ReplicaPlacement, model_name_of
+from control.query import (
+    CatalogConflict,
+    Change,
+    ControlQuery,
+    ControlView,
+    DrainRefused,
+    engine_views,
+    replica_load,
+    shard_load,
+)
 from control.routetable import serving_replicas
 from transport import ServerTLS
 
@@ -204,6 +216,8 @@ def _shard_doc(
         "output_tail": list(status.output_tail) if status else [],
         "failures": failures,
         "retry_in_s": round(max(retry - now, 0.0), 1) if retry else None,
+        # The engine's latest load from its agent's heartbeat (EngineLoad.doc), or null.
+        "load": load.doc() if (load := shard_load(view, node_id, shard_id)) else None,
     }
 
 
@@ -267,9 +281,18 @@ def replicas_doc(view: ControlView) -> list[dict[str, Any]]:
                 "fabric": replica.fabric if replica else "",
                 "state": state,
                 "shards": shards + leaving.get(rid, []),
+                # The placed shards' loads together (control.query.replica_load), or null.
+                "load": _replica_load_doc(view, replica),
             }
         )
     return out
+
+
+def _replica_load_doc(view: ControlView, replica: ReplicaPlacement | None) -> dict[str, object] | None:
+    if replica is None:
+        return None
+    load = replica_load([shard_load(view, s.node_id, s.shard_id) for s in replica.shards])
+    return load.doc() if load else None
 
 
 def why_doc(view: ControlView, model: str) -> dict[str, Any]:

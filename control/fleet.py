@@ -71,6 +71,9 @@ class Node:
     usage: dict[int, tuple[int, int]] = attrs.field(factory=dict)
     #: What the agent last said about each shard on this node.
     shards: dict[str, schema.ShardStatus] = attrs.field(factory=dict)
+    #: Each scraped engine's load from the latest heartbeat (received at ``last_heartbeat``),
+    #: by shard id: kept in memory only, like liveness (``control.query.shard_load`` reads it).
+    loads: dict[str, schema.ShardLoad] = attrs.field(factory=dict)
     history: list[Transition] = attrs.field(factory=list)
     #: Takes no new placement (set by cordon and by drain).
     cordoned: bool = False
@@ -180,6 +183,7 @@ class Fleet:
         silent = now - node.last_heartbeat
         node.last_heartbeat = now
         node.usage = {g.index: (g.memory_used_mib, g.utilization_percent) for g in beat.gpus}
+        node.loads = {load.shard_id: load for load in beat.loads}
         if node.state is NodeState.READY or not node.connected:
             return []
         reason = f"heartbeat on its open stream after {silent:.1f} s of silence (was {node.state.value})"

@@ -13,6 +13,9 @@ Two kinds of series, both through ``prometheus_client`` (never hand-written expo
 - **What happened** (counters and a histogram, incremented by the control plane where it happens):
   shards that failed and shards started again after a failure, per model, and how long each
   reconcile pass took.
+- **What the engines say** (gauges per replica, ``llmgw_replica_*{model,replica}``): requests
+  running and waiting, KV cache use, prefix-cache hit rate, generation tokens per second, and the
+  sample's age and staleness, from the agents' heartbeats (``control.query.EngineLoad``).
 
 Plus the process metrics of ``telemetry.metrics.new_registry`` (memory, CPU, open fds, GC).
 
@@ -34,7 +37,7 @@ from prometheus_client.registry import Collector
 import schema
 from control.fleet import NodeState
 from control.placement import ReplicaPlacement
-from control.query import ControlView
+from control.query import ControlView, EngineLoad, replica_load, shard_load
 from telemetry.metrics import exposition, new_registry
 
 #: The model label of a shard whose replica id names no model in the catalog.
@@ -66,6 +69,8 @@ class FleetSample:
     models: tuple[ModelSample, ...] = ()
     #: Nodes whose agent holds a stream open to this control plane now.
     agent_streams: int = 0
+    #: (model, replica id, its load) of every placed replica whose agents sent one.
+    loads: tuple[tuple[str, str, EngineLoad], ...] = ()
 
 
 def fleet_sample(view: ControlView) -> FleetSample:
@@ -103,7 +108,14 @@ def fleet_sample(view: ControlView) -> FleetSample:
                 unplaced=sum(1 for u in view.plan.unplaced if u.model == name),
             )
         )
+    loads = []
+    for replica in view.placements:
+        load = replica_load([shard_load(view, sh.node_id, sh.shard_id) for sh in replica.shards])
+        if load is not None:
+            model = replica.model if replica.model in view.models else NOT_IN_CATALOG
+            loads.append((model, replica.replica_id, load))
     return FleetSample(
+        loads=tuple(loads),
         nodes=tuple(nodes.items()),
         cordoned=cordoned,
         draining=draining,
@@ -183,6 +195,53 @@ class _FleetCollector(Collector):
             "Agents holding a stream open to this control plane.",
             value=s.agent_streams,
         )
+        yield from _load_families(s.loads)
+
+
+#: Per replica: (series, help, the EngineLoad attribute). A figure the engine does not publish, or
+#: one of a stale sample, has no sample (absent, not 0: old numbers are never shown as current).
+_LOAD_GAUGES = (
+    ("llmgw_replica_requests_running", "Requests the replica's engines are generating now.", "running"),
+    ("llmgw_replica_requests_waiting", "Requests waiting in the replica's engine queues.", "waiting"),
+    ("llmgw_replica_kv_cache_usage", "Fraction of KV cache in use (its fullest engine), 0..1.", "kv_usage"),
+    (
+        "llmgw_replica_prefix_cache_hit_rate",
+        "Prefix-cache hits per query over the agents' last interval, 0..1.",
+        "hit_rate",
+    ),
+    (
+        "llmgw_replica_generation_tokens_per_second",
+        "Generation tokens per second over the agents' last interval.",
+        "tokens_per_second",
+    ),
+)
+
+
+def _load_families(loads: tuple[tuple[str, str, EngineLoad], ...]) -> Iterator[Any]:
+    """The per-replica load gauges; labels are the catalog's models and the placed replica ids
+    (bounded by what the operator asked for, not by what agents send)."""
+    for name, help_text, attribute in _LOAD_GAUGES:
+        family = GaugeMetricFamily(name, help_text, labels=["model", "replica"])
+        for model, replica, load in loads:
+            value = getattr(load, attribute)
+            if value is not None and not load.stale:
+                family.add_metric([model, replica], value)
+        yield family
+    age = GaugeMetricFamily(
+        "llmgw_replica_load_age_seconds",
+        "Seconds since the replica's load figures were read from its engines.",
+        labels=["model", "replica"],
+    )
+    stale = GaugeMetricFamily(
+        "llmgw_replica_load_stale",
+        "1 when the replica's load figures are stale (scrapes failing or hanging, or no heartbeat).",
+        labels=["model", "replica"],
+    )
+    for model, replica, load in loads:
+        age.add_metric([model, replica], load.age)
+        stale.add_metric([model, replica], 1.0 if load.stale else 0.0)
+    yield age
+    yield stale
 
 
 class FleetMetrics:

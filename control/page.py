@@ -31,6 +31,8 @@ import html
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from control.ctl.text import load_words
+
 #: Lines of a failed engine's output shown under its shard (the API keeps the agent's tail).
 TAIL_LINES = 20
 #: How often the page fetches ``/fleet``, in milliseconds: at least this, and ten times what the
@@ -222,12 +224,13 @@ def _shard_rows(r: Mapping[str, Any], s: Mapping[str, Any]) -> Iterable[str]:
         f'<td class="num">{_e(s.get("pid") or "-")}</td>'
         f'<td class="num">{_e(",".join(str(g) for g in s.get("gpus", ())) or "-")}</td>'
         f'<td class="num">{_e(s.get("port") or "-")}</td>'
+        f'<td class="load">{_e(load_words(s.get("load")) if s.get("load") else "-")}</td>'
         f'<td class="why">{_e(restarts)}{"<br>" if restarts and error else ""}{_e(error)}</td></tr>'
     )
     tail = list(s.get("output_tail", ()))[-TAIL_LINES:]
     if tail and s.get("state") in ("failed", "unhealthy", "stopped"):
         text = "\n".join(str(line) for line in tail)
-        yield f'<tr><td></td><td colspan="7"><pre class="tail">{_e(text)}</pre></td></tr>'
+        yield f'<tr><td></td><td colspan="8"><pre class="tail">{_e(text)}</pre></td></tr>'
 
 
 def fleet_html(
@@ -274,7 +277,7 @@ def fleet_html(
         + "<h2>Shards</h2>"
         + _table(
             "shards",
-            ("model", "shard", "state", "node", "pid", "GPUs", "port", "failures / error"),
+            ("model", "shard", "state", "node", "pid", "GPUs", "port", "load", "failures / error"),
             (row for r, shard in shards_shown for row in _shard_rows(r, shard)),
             "No replica is placed.",
         )

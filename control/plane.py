@@ -902,6 +902,7 @@ class PlaneQuery:
             catalog=MappingProxyType({e.name: e for e in plane.catalog.entries()}),
             rollouts=MappingProxyType(plane.rollout_status),
             wall=plane.wall_clock(),
+            load_stale_after=plane.fleet.unreachable_after,
         )
 
     async def request_logs(

@@ -20,7 +20,7 @@ import schema
 from control.catalog import CatalogConflict, Change, Entry
 from control.config import ModelConfig
 from control.events import EventLog
-from control.fleet import Cordon, Node
+from control.fleet import Cordon, Node, NodeState
 from control.placement import EngineView, Plan, ReplicaPlacement
 from control.rollout import RolloutStatus
 
@@ -78,6 +78,91 @@ class ControlView:
     rollouts: Mapping[str, RolloutStatus] = attrs.field(factory=dict)
     #: Unix time at ``now``, to tell people when something happened (never to judge liveness).
     wall: float = 0.0
+    #: An engine load no heartbeat has refreshed for this long is stale (the fleet's
+    #: ``unreachable_after``: by then the node is unreachable too).
+    load_stale_after: float = 15.0
+
+
+@attrs.frozen
+class EngineLoad:
+    """One engine's load (or a replica's, summed over its shards) as the control plane knows it at
+    one instant: the one value type ``ctl``, the fleet page, the fleet ``/metrics`` and a load-aware
+    router or autoscaler read. ``None``: the engine does not publish that figure."""
+
+    running: int | None = None
+    waiting: int | None = None
+    #: Fraction of the KV cache in use, 0..1 (a replica's: its fullest shard's).
+    kv_usage: float | None = None
+    #: Prefix-cache hits per query over the agent's last interval, 0..1.
+    hit_rate: float | None = None
+    tokens_per_second: float | None = None
+    #: Seconds since the figures were read from the engine: the agent's sample age when it sent
+    #: them plus the time since the control plane received them (its own clock).
+    age: float = 0.0
+    #: Not to be believed as current: the agent said so (its scrapes fail or hang), or no heartbeat
+    #: has carried a newer sample for ``unreachable_after``, or the node is not ready.
+    stale: bool = True
+    #: Why the agent's last scrape failed, or what it refused in it; empty when clean.
+    error: str = ""
+
+    def doc(self) -> dict[str, object]:
+        """The JSON form the admin API serves (``load`` of a shard or a replica)."""
+        return {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_usage": None if self.kv_usage is None else round(self.kv_usage, 4),
+            "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
+            "tokens_per_second": None if self.tokens_per_second is None else round(self.tokens_per_second, 1),
+            "age_s": round(self.age, 1),
+            "stale": self.stale,
+            "error": self.error,
+        }
+
+
+def shard_load(view: ControlView, node_id: str, shard_id: str) -> EngineLoad | None:
+    """The latest load of one shard's engine; ``None`` when its agent sent none (not scraped:
+    starting, stopped, or an agent that predates engine loads)."""
+    node = view.nodes.get(node_id)
+    load = node.loads.get(shard_id) if node is not None else None
+    if node is None or load is None:
+        return None
+    since = max(view.now - node.last_heartbeat, 0.0)
+    return EngineLoad(
+        running=load.requests_running,
+        waiting=load.requests_waiting,
+        kv_usage=load.kv_cache_usage,
+        hit_rate=load.prefix_cache_hit_rate,
+        tokens_per_second=load.generation_tokens_per_second,
+        age=load.sample_age_seconds + since,
+        stale=load.stale or since > view.load_stale_after or node.state is not NodeState.READY,
+        error=load.error,
+    )
+
+
+def _total(values: list[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def replica_load(loads: list[EngineLoad | None]) -> EngineLoad | None:
+    """A replica's load from its shards': counts and rates summed, the fullest KV cache, the mean
+    hit rate, the oldest age; stale when any shard's is. Shards that sent none are left out."""
+    known = [load for load in loads if load is not None]
+    if not known:
+        return None
+    kv = [load.kv_usage for load in known if load.kv_usage is not None]
+    hits = [load.hit_rate for load in known if load.hit_rate is not None]
+    rates = [load.tokens_per_second for load in known if load.tokens_per_second is not None]
+    return EngineLoad(
+        running=_total([load.running for load in known]),
+        waiting=_total([load.waiting for load in known]),
+        kv_usage=max(kv) if kv else None,
+        hit_rate=sum(hits) / len(hits) if hits else None,
+        tokens_per_second=sum(rates) if rates else None,
+        age=max(load.age for load in known),
+        stale=any(load.stale for load in known),
+        error="; ".join(dict.fromkeys(load.error for load in known if load.error)),
+    )
 
 
 class JoinSecrets(Protocol):
@@ -148,6 +233,9 @@ __all__ = [
     "ControlQuery",
     "ControlView",
     "DrainRefused",
+    "EngineLoad",
     "JoinSecrets",
     "engine_views",
+    "replica_load",
+    "shard_load",
 ]

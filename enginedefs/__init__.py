@@ -9,8 +9,9 @@ descriptor's ``adapter`` import path, so this package imports nothing of the age
 default command lines (``agent.config``), the version probes (``agent.engines.versions``), the
 engines with flag files (``agent.engines.flagsets``) and their extractors
 (``enginebuild.flags``), the names a profile may use and the engines that cannot rename a model
-(``control.config``), the keyless engines (``control.plane``), and the in-flight gauges a drain
-reads (``agent.supervise.probes``).
+(``control.config``), the keyless engines (``control.plane``), the in-flight gauges a drain
+reads (``agent.supervise.probes``), and the load series the agent sends in heartbeats
+(``agent.engineload``).
 
 A new engine is its adapter module (``agent/engines/<name>.py``), its descriptor below, and its
 flag files (an extractor in ``enginebuild/flags/<name>.py`` and the JSON files it writes).
@@ -75,15 +76,49 @@ class ApiKey:
 
 
 @attrs.frozen
+class LoadSeries:
+    """Which Prometheus samples at ``metrics_path`` give each figure of an engine's load (names as
+    exposed: counters with ``_total``); the first name present wins, so a renamed series lists its
+    new name first. The agent reads them every heartbeat interval (``agent.engineload``)."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    #: A 0..1 gauge of KV cache blocks (or tokens) in use.
+    kv_usage: tuple[str, ...] = ()
+    #: The engine's own hit-rate gauge (0..1), used where it has no hit and query counters.
+    hit_rate: tuple[str, ...] = ()
+    prefix_hits: tuple[str, ...] = ()
+    prefix_queries: tuple[str, ...] = ()
+    #: The counter of generated tokens, whose rate is tokens per second.
+    generation_tokens: tuple[str, ...] = ()
+
+
+#: vllm/v1/metrics/loggers.py (PrometheusStatLogger); the simulator publishes the same names.
+VLLM_LOAD = LoadSeries(
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    # kv_cache_usage_perc since 0.10 (a 0..1 fraction despite the name); gpu_cache_usage_perc before.
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    # Counters of tokens queried and hit; the gpu_ names are the older v1 ones.
+    prefix_hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    prefix_queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    generation_tokens=("vllm:generation_tokens_total",),
+)
+
+
+@attrs.frozen
 class Publishes:
     """What a running engine serves besides the OpenAI API.
 
     ``in_flight``: the Prometheus gauges at ``metrics_path`` that count requests in flight; a drain
-    waits for their sum to reach 0 before stopping the engine. ``kv_events``: whether the engine
-    can publish KV-cache events (``--kv-events-config``), which a KV-aware router subscribes to."""
+    waits for their sum to reach 0 before stopping the engine. ``load``: the series that give its
+    load for the heartbeat (None: it publishes none the agent reads). ``kv_events``: whether the
+    engine can publish KV-cache events (``--kv-events-config``), which a KV-aware router
+    subscribes to."""
 
     metrics_path: str = "/metrics"
     in_flight: tuple[str, ...] = ()
+    load: LoadSeries | None = None
     kv_events: bool = False
 
 
@@ -132,7 +167,9 @@ DESCRIPTORS: tuple[EngineDescriptor, ...] = (
         renames=True,
         # Running and queued: a drain must wait for both (vllm/v1/metrics/loggers.py).
         publishes=Publishes(
-            in_flight=("vllm:num_requests_running", "vllm:num_requests_waiting"), kv_events=True
+            in_flight=("vllm:num_requests_running", "vllm:num_requests_waiting"),
+            load=VLLM_LOAD,
+            kv_events=True,
         ),
     ),
     EngineDescriptor(
@@ -147,7 +184,18 @@ DESCRIPTORS: tuple[EngineDescriptor, ...] = (
         # (sglang/srt/server_args_config_parser.py) turns the file's keys into arguments in-process.
         key=ApiKey(config_flag="--config"),
         renames=True,
-        publishes=Publishes(in_flight=("sglang:num_running_reqs", "sglang:num_queue_reqs"), kv_events=True),
+        publishes=Publishes(
+            in_flight=("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+            # sglang/srt/metrics/collector.py (SchedulerMetricsCollector, TokenizerMetricsCollector).
+            load=LoadSeries(
+                running=("sglang:num_running_reqs",),
+                waiting=("sglang:num_queue_reqs",),
+                kv_usage=("sglang:token_usage",),
+                hit_rate=("sglang:cache_hit_rate",),
+                generation_tokens=("sglang:generation_tokens_total",),
+            ),
+            kv_events=True,
+        ),
     ),
     EngineDescriptor(
         name="llamacpp",
@@ -159,7 +207,16 @@ DESCRIPTORS: tuple[EngineDescriptor, ...] = (
         version=VersionProbe(reads="llamacpp"),
         key=ApiKey(file_flag="--api-key-file"),
         renames=True,
-        publishes=Publishes(in_flight=("llamacpp:requests_processing", "llamacpp:requests_deferred")),
+        publishes=Publishes(
+            in_flight=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+            # tools/server (--metrics): busy slots and deferred requests.
+            load=LoadSeries(
+                running=("llamacpp:requests_processing",),
+                waiting=("llamacpp:requests_deferred",),
+                kv_usage=("llamacpp:kv_cache_usage_ratio",),
+                generation_tokens=("llamacpp:tokens_predicted_total",),
+            ),
+        ),
     ),
     EngineDescriptor(
         name="trtllm",
@@ -187,7 +244,9 @@ DESCRIPTORS: tuple[EngineDescriptor, ...] = (
         renames=True,
         # vLLM's gauges, and vLLM's KV events with --kv-events-config (docs/sim.md).
         publishes=Publishes(
-            in_flight=("vllm:num_requests_running", "vllm:num_requests_waiting"), kv_events=True
+            in_flight=("vllm:num_requests_running", "vllm:num_requests_waiting"),
+            load=VLLM_LOAD,
+            kv_events=True,
         ),
     ),
 )
@@ -249,8 +308,10 @@ __all__ = [
     "DESCRIPTORS",
     "FLAG_ENGINES",
     "NAMES",
+    "VLLM_LOAD",
     "ApiKey",
     "EngineDescriptor",
+    "LoadSeries",
     "Publishes",
     "VersionProbe",
     "label",

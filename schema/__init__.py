@@ -23,6 +23,7 @@ from schema.gen.llmgw.v1 import (
     Register,
     RouteTable,
     RouteUpstream,
+    ShardLoad,
     ShardState,
     ShardStatus,
     StartShard,
@@ -43,9 +44,16 @@ WATCH_ROUTES_PATH = f"/{ROUTE_SERVICE}/WatchRoutes"
 #: The most lines one LogsRequest gets: the agent reads no more, and the admin API refuses a
 #: ``lines`` above it (400 naming the range).
 MAX_LOG_LINES = 10_000
+#: The most requests a ShardLoad may say are running or waiting (far above any engine's batch plus
+#: queue): the agent clamps above it and flags the sample, the control plane refuses it.
+MAX_LOAD_REQUESTS = 1_000_000
+#: The most generation tokens per second a ShardLoad may say, on the same terms.
+MAX_LOAD_TOKENS_PER_SECOND = 10_000_000.0
 
 __all__ = [
     "CONNECT_PATH",
+    "MAX_LOAD_REQUESTS",
+    "MAX_LOAD_TOKENS_PER_SECOND",
     "MAX_LOG_LINES",
     "METHOD",
     "ROUTE_SERVICE",
@@ -69,6 +77,7 @@ __all__ = [
     "Register",
     "RouteTable",
     "RouteUpstream",
+    "ShardLoad",
     "ShardState",
     "ShardStatus",
     "StartShard",

@@ -2,17 +2,20 @@
 
 betterproto2 parses generically (reflection over dataclass fields, a BytesIO per nested message),
 which is slow enough at fleet scale to matter (docs/router.md, 2026-12-04, has the figure).
-``decode_agent_message`` reads the heartbeat's few
-fields directly and hands every other message (and any heartbeat carrying fields it does not know)
+``decode_agent_message`` reads the heartbeat's few fields directly (its GPU figures and engine
+loads) and hands every other message (and any heartbeat carrying fields it does not know)
 to betterproto2, so correctness never depends on this file: a test checks it agrees with betterproto2
 on generated messages, and anything unexpected takes the generic path.
 """
 
 from __future__ import annotations
 
+import struct
+
 import schema
 
 _HEARTBEAT_FIELD = 11
+_DOUBLE = struct.Struct("<d")
 
 
 class _Unexpected(Exception):
@@ -52,9 +55,54 @@ def _gpu_usage(buf: bytes) -> schema.GpuUsage:
     return schema.GpuUsage(index=index, memory_used_mib=memory, utilization_percent=util)
 
 
+#: ShardLoad's fields by wire type: strings, optional uint32 counts, doubles, and the stale flag.
+_LOAD_TEXT = {1: "shard_id", 2: "replica_id", 10: "error"}
+_LOAD_COUNTS = {3: "requests_running", 4: "requests_waiting"}
+_LOAD_DOUBLES = {
+    5: "kv_cache_usage",
+    6: "prefix_cache_hit_rate",
+    7: "generation_tokens_per_second",
+    8: "sample_age_seconds",
+}
+_STALE_FIELD = 9
+
+
+def _shard_load(buf: bytes) -> schema.ShardLoad:
+    load = schema.ShardLoad()
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 2 and field in _LOAD_TEXT:
+            length, pos = _varint(buf, pos)
+            if pos + length > len(buf):
+                raise _Unexpected
+            setattr(load, _LOAD_TEXT[field], buf[pos : pos + length].decode("utf-8"))
+            pos += length
+        elif wire == 0 and (field in _LOAD_COUNTS or field == _STALE_FIELD):
+            value, pos = _varint(buf, pos)
+            if field == _STALE_FIELD:
+                if value > 1:
+                    raise _Unexpected
+                load.stale = bool(value)
+            else:
+                if value >= 1 << 32:
+                    raise _Unexpected
+                setattr(load, _LOAD_COUNTS[field], value)
+        elif wire == 1 and field in _LOAD_DOUBLES:
+            if pos + 8 > len(buf):
+                raise _Unexpected
+            setattr(load, _LOAD_DOUBLES[field], _DOUBLE.unpack_from(buf, pos)[0])
+            pos += 8
+        else:
+            raise _Unexpected
+    return load
+
+
 def _heartbeat(buf: bytes) -> schema.Heartbeat:
     node_id = ""
     gpus: list[schema.GpuUsage] = []
+    loads: list[schema.ShardLoad] = []
     pos = 0
     while pos < len(buf):
         key, pos = _varint(buf, pos)
@@ -69,10 +117,12 @@ def _heartbeat(buf: bytes) -> schema.Heartbeat:
             node_id = buf[pos:end].decode("utf-8")
         elif field == 2:
             gpus.append(_gpu_usage(buf[pos:end]))
+        elif field == 3:
+            loads.append(_shard_load(buf[pos:end]))
         else:
             raise _Unexpected
         pos = end
-    return schema.Heartbeat(node_id=node_id, gpus=gpus)
+    return schema.Heartbeat(node_id=node_id, gpus=gpus, loads=loads)
 
 
 def decode_agent_message(payload: bytes) -> schema.AgentMessage:

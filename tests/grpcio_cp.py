@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -23,6 +24,8 @@ class NodeStream:
 
     def __init__(self) -> None:
         self.received: list[schema.AgentMessage] = []
+        #: When each of ``received`` arrived (``time.monotonic``), for tests that time heartbeats.
+        self.times: list[float] = []
         self.outbox: queue.Queue[schema.ControlMessage | None] = queue.Queue()
         self.closed = threading.Event()
         self._next_id = 1000
@@ -62,6 +65,8 @@ class GrpcioControlPlane:
         def pump() -> None:
             try:
                 for msg in requests:
+                    # times first: a reader zipping the two lists never sees a message without its time.
+                    node.times.append(time.monotonic())
                     node.received.append(msg)
                     if msg.register is not None:
                         node.outbox.put(

@@ -198,11 +198,30 @@ def test_get_replicas_and_models(node: Node) -> None:
     assert header == ["NAME", "MODEL", "STATUS", "READY", "NODES"]
     row = next(r for r in rows if r[1] == CHAT)
     assert row[2:] == ["ready", "1/1", "gpu07"], rows
-    wide = ctl("get", "replicas", "-o", "wide", "--api", node.api)
-    header, rows = header_and_rows(wide.stdout)
-    assert header[5:] == ["GPUS", "PIDS", "ENGINE", "VERSION", "PORTS"]
-    row = next(r for r in rows if r[1] == CHAT)
-    assert row[5:] == ["gpu07:-", str(chat["pid"]), "sim", row[8], str(chat["port"])], row
+
+    def wide_row() -> tuple[list[str], list[str]] | None:
+        wide = ctl("get", "replicas", "-o", "wide", "--api", node.api)
+        header, rows = header_and_rows(wide.stdout)
+        row = next(r for r in rows if r[1] == CHAT)
+        # Once the agent has two samples of the idle engine: its rate is known too, and no prefix
+        # was looked up in the interval (the hit rate is unknown then, not 0).
+        idle = row[10:12] == ["0", "0"] and row[12].isdigit() and row[13:] == ["-", "0.0"]
+        return (header, row) if idle else None
+
+    header, row = poll("the idle engine's load in get replicas -o wide", wide_row, timeout=30)
+    assert header[5:] == [
+        "GPUS",
+        "PIDS",
+        "ENGINE",
+        "VERSION",
+        "PORTS",
+        "RUNNING",
+        "WAITING",
+        "KV%",
+        "HIT%",
+        "TOK/S",
+    ]
+    assert row[5:10] == ["gpu07:-", str(chat["pid"]), "sim", row[8], str(chat["port"])], row
     assert row[8] != "-"  # the node's sim version
     models = ctl("get", "models", "--api", node.api)
     assert models.returncode == 0, models.stderr

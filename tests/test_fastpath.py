@@ -10,6 +10,8 @@ from schema.fastpath import decode_agent_message
 
 u32 = st.integers(min_value=0, max_value=2**32 - 1)
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
+#: No NaN: NaN != NaN, so equality could not tell the parsers agree (the control plane refuses it).
+doubles = st.floats(allow_nan=False)
 
 heartbeats = st.builds(
     schema.AgentMessage,
@@ -19,6 +21,22 @@ heartbeats = st.builds(
         node_id=st.text(max_size=20),
         gpus=st.lists(
             st.builds(schema.GpuUsage, index=u32, memory_used_mib=u64, utilization_percent=u32), max_size=16
+        ),
+        loads=st.lists(
+            st.builds(
+                schema.ShardLoad,
+                shard_id=st.text(max_size=20),
+                replica_id=st.text(max_size=20),
+                requests_running=st.none() | u32,
+                requests_waiting=st.none() | u32,
+                kv_cache_usage=st.none() | doubles,
+                prefix_cache_hit_rate=st.none() | doubles,
+                generation_tokens_per_second=st.none() | doubles,
+                sample_age_seconds=doubles,
+                stale=st.booleans(),
+                error=st.text(max_size=30),
+            ),
+            max_size=8,
         ),
     ),
 )
@@ -65,3 +83,30 @@ def test_truncated_heartbeat_is_an_error_like_betterproto2s() -> None:
     except Exception:
         fast_fails = True
     assert fast_fails == generic_fails
+
+
+def test_engine_loads_take_the_fast_path() -> None:
+    """A heartbeat carrying engine loads (every one does, on a node with engines) is read by the
+    fast path itself, not handed to betterproto2: ``_heartbeat`` raises on what it cannot read."""
+    from schema.fastpath import _heartbeat
+
+    beat = schema.Heartbeat(
+        node_id="gpu07",
+        gpus=[schema.GpuUsage(index=0, memory_used_mib=70_000, utilization_percent=93)],
+        loads=[
+            schema.ShardLoad(
+                shard_id="chat-0-0",
+                replica_id="chat-0",
+                requests_running=0,
+                requests_waiting=4,
+                kv_cache_usage=0.41,
+                generation_tokens_per_second=512.5,
+                sample_age_seconds=0.3,
+            ),
+            schema.ShardLoad(shard_id="big-0-1", stale=True, error="GET /metrics timed out after 5 s"),
+        ],
+    )
+    assert _heartbeat(bytes(beat)) == beat
+    # requests_running=0 is present (optional): "none running", not "unknown".
+    assert _heartbeat(bytes(beat)).loads[0].requests_running == 0
+    assert _heartbeat(bytes(beat)).loads[1].requests_running is None

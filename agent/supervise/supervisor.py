@@ -471,7 +471,7 @@ class Supervisor:
         if launch is None or launch.readiness.follow_rank0:
             return
         with trio.move_on_after(ADOPT_PROBE_SECONDS):
-            async with self._client(shard, timeout=ADOPT_PROBE_SECONDS) as client:
+            async with self.engine_client(shard, timeout=ADOPT_PROBE_SECONDS) as client:
                 verdict, detail = await self._check_ready(client, shard)
             if verdict is Verdict.READY:
                 self._set(shard, State.READY)
@@ -786,9 +786,9 @@ class Supervisor:
             finally:
                 os.close(fd)
 
-    def _client(self, shard: Shard, timeout: float) -> httpx.AsyncClient:
+    def engine_client(self, shard: Shard, timeout: float) -> httpx.AsyncClient:
         """A client for the engine's own address, carrying the shard's key: the probes and the
-        drain's ``/metrics`` reads are asked with it like any request (an engine may guard more
+        drain's and the load scraper's ``/metrics`` reads are asked with it like any request (an engine may guard more
         than ``/v1``)."""
         return httpx.AsyncClient(
             base_url=base_url(self.probe_host, shard.spec.http_port),
@@ -825,7 +825,7 @@ class Supervisor:
     async def _await_ready(self, shard: Shard) -> bool:
         timeout = shard.spec.ready_timeout_seconds or DEFAULT_READY_TIMEOUT
         last = "no answer yet"
-        async with self._client(shard, timeout=min(5.0, timeout)) as client:
+        async with self.engine_client(shard, timeout=min(5.0, timeout)) as client:
             with trio.move_on_after(timeout):
                 while True:
                     verdict, last = await self._check_ready(client, shard)
@@ -862,7 +862,7 @@ class Supervisor:
         probe = self.liveness
         path = shard.launch.readiness.health_path
         failures = 0
-        async with self._client(shard, timeout=probe.timeout) as client:
+        async with self.engine_client(shard, timeout=probe.timeout) as client:
             next_at = trio.current_time() + probe.period
             while True:
                 await trio.sleep_until(next_at)
@@ -917,7 +917,7 @@ class Supervisor:
         end = trio.current_time() + deadline
         descriptor = enginedefs.lookup(shard.engine)
         metrics = descriptor.publishes.metrics_path if descriptor is not None else "/metrics"
-        async with self._client(shard, timeout=2.0) as client:
+        async with self.engine_client(shard, timeout=2.0) as client:
             while trio.current_time() < end and shard.state is State.DRAINING:
                 if await in_flight(client, metrics) == 0:
                     break

@@ -9,7 +9,7 @@ from typing import Any
 
 from control.ctl.base import Api, CtlFailed, Verb
 from control.ctl.get import model_source, node_state
-from control.ctl.text import age, indented, table
+from control.ctl.text import age, indented, load_words, table
 from control.notfound import unknown_model, unknown_node
 
 
@@ -137,7 +137,7 @@ def describe_model(model: dict[str, Any]) -> str:
         "Placed:" if why["placed"] else "Placed:        none",
     ]
     for r in why["placed"]:
-        out.append(f"  {r['replica_id']}  {r['state']}")
+        out.append(f"  {r['replica_id']}  {r['state']}  {load_words(r.get('load'))}")
         for s in r["shards"]:
             where = f"{s['node_id']} GPUs {','.join(map(str, s['gpus'])) or '-'}"
             pid = f" pid {s['pid']}" if s.get("pid") else ""

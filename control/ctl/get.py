@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from control.ctl.base import POLL_SECONDS, Api, CtlFailed, Verb
-from control.ctl.text import age, table
+from control.ctl.text import LOAD_HEADER, age, load_cells, table
 from control.notfound import unknown, unknown_model, unknown_node
 
 #: Keys of the API's documents that change with every read (ages and countdowns): a watch ignores
 #: them when deciding whether anything changed, or it would reprint every second.
-VOLATILE_KEYS = frozenset({"since_s", "heartbeat_age_s", "at_s_ago", "retry_in_s"})
+VOLATILE_KEYS = frozenset({"since_s", "heartbeat_age_s", "at_s_ago", "retry_in_s", "age_s"})
 
 #: ``get`` and ``describe`` kinds, with the singular and short names kubectl users type.
 KINDS = {
@@ -71,7 +71,7 @@ def replica_rows(docs: dict[str, Any], wide: bool) -> tuple[list[str], list[list
     """``get replicas``: one row per replica (its shards ready/total); wide adds where and what runs."""
     header = ["NAME", "MODEL", "STATUS", "READY", "NODES"]
     if wide:
-        header += ["GPUS", "PIDS", "ENGINE", "VERSION", "PORTS"]
+        header += ["GPUS", "PIDS", "ENGINE", "VERSION", "PORTS", *LOAD_HEADER]
     engines = {m["model"]: m.get("engine", "") for m in docs.get("models", [])}
     versions = {
         n["node_id"]: {e["engine"]: e.get("version", "") for e in n.get("engines", [])}
@@ -92,6 +92,7 @@ def replica_rows(docs: dict[str, Any], wide: bool) -> tuple[list[str], list[list
                 engine,
                 ",".join(sorted(found)) or "-",
                 ",".join(str(s["port"]) for s in shards if s.get("port")) or "-",
+                *load_cells(r.get("load")),
             ]
         rows.append(row)
     return header, rows, set()

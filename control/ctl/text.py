@@ -8,7 +8,8 @@ under scripts that read it (``OLD_GAP``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 #: Spaces between columns: kubectl's, and the older verbs'.
 GAP = 3
@@ -42,4 +43,45 @@ def age(seconds: float) -> str:
     return f"{s // 86400}d"
 
 
-__all__ = ["GAP", "OLD_GAP", "age", "indented", "table"]
+#: The columns of an engine's load (``load_cells``), as ``get replicas -o wide`` heads them.
+LOAD_HEADER = ("RUNNING", "WAITING", "KV%", "HIT%", "TOK/S")
+
+
+def _number(value: float | None, scale: float = 1.0, digits: int = 0) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def load_cells(load: Mapping[str, Any] | None) -> list[str]:
+    """An API ``load`` document as the ``LOAD_HEADER`` cells: '-' for a figure the engine does not
+    publish (or no load at all), and a stale sample as 'stale' with no figures (old numbers are
+    never shown as current)."""
+    if not load:
+        return ["-"] * len(LOAD_HEADER)
+    if load["stale"]:
+        return ["stale"] + ["-"] * (len(LOAD_HEADER) - 1)
+    return [
+        _number(load["running"]),
+        _number(load["waiting"]),
+        _number(load["kv_usage"], 100),
+        _number(load["hit_rate"], 100),
+        _number(load["tokens_per_second"], digits=1),
+    ]
+
+
+def load_words(load: Mapping[str, Any] | None) -> str:
+    """An API ``load`` document in words, for ``describe``: 'running 3, waiting 0, KV 41%, hit 80%,
+    52.0 tok/s (1.2s old)', or why there is none."""
+    if not load:
+        return "no load reported"
+    if load["stale"]:
+        why = f": {load['error']}" if load.get("error") else ""
+        return f"load stale ({load['age_s']:g}s old){why}"
+    cells = dict(zip(LOAD_HEADER, load_cells(load), strict=True))
+    words = (
+        f"running {cells['RUNNING']}, waiting {cells['WAITING']}, KV {cells['KV%']}%, "
+        f"hit {cells['HIT%']}%, {cells['TOK/S']} tok/s ({load['age_s']:g}s old)"
+    )
+    return words + (f"; {load['error']}" if load.get("error") else "")
+
+
+__all__ = ["GAP", "LOAD_HEADER", "OLD_GAP", "age", "indented", "load_cells", "load_words", "table"]

@@ -45,7 +45,8 @@ flag                      variable                    meaning (default)
 --sim-exit-code N         LLMGW_SIM_EXIT_CODE         exit code of that crash (1)
 --sim-hang POINTS         LLMGW_SIM_HANG              comma list: ``loading`` (never ready; "1"
                                                       means this), ``requests`` (accept, never
-                                                      answer), ``sigterm`` (ignore SIGTERM)
+                                                      answer), ``sigterm`` (ignore SIGTERM),
+                                                      ``metrics`` (``/metrics`` never answers)
 ========================  ==========================  ==========================================
 
 Endpoints: ``GET /health`` (503 while loading or draining), ``GET /v1/models``,

@@ -26,7 +26,7 @@ import attrs
 from agent.engines import flagsets
 
 #: What LLMGW_SIM_HANG / --sim-hang may name.
-HANG_POINTS = ("loading", "requests", "sigterm")
+HANG_POINTS = ("loading", "requests", "sigterm", "metrics")
 
 #: vLLM's defaults on an 80 GB GPU for ``vllm serve`` (the OpenAI server's usage context).
 DEFAULT_MAX_NUM_SEQS = 1024

@@ -330,6 +330,8 @@ class SimServer:
             await self._send_json(conn, stream, 405, {"detail": "Method Not Allowed"})
             return 405
         if path == "/metrics":
+            if "metrics" in self.config.hang:
+                await trio.sleep_forever()
             await self._send_simple(
                 conn,
                 stream,

@@ -21,6 +21,7 @@ __all__ = (
     "Register",
     "RouteTable",
     "RouteUpstream",
+    "ShardLoad",
     "ShardState",
     "ShardStatus",
     "StartShard",
@@ -341,6 +342,14 @@ class Heartbeat(betterproto2.Message):
         2, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
+    loads: "list[ShardLoad]" = betterproto2.field(
+        3, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    The latest load sample of each READY (or UNHEALTHY) engine on the node, read from the engine's
+    own metrics in the background on the heartbeat interval (a slow /metrics never delays this).
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Heartbeat", Heartbeat)
 
@@ -548,6 +557,70 @@ class RouteUpstream(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "RouteUpstream", RouteUpstream)
+
+
+@dataclass(eq=False, repr=False)
+class ShardLoad(betterproto2.Message):
+    """
+    What one engine says about its load. A figure the engine does not publish is unset (absent),
+    never 0: "no queue" and "unknown queue" differ.
+    """
+
+    shard_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    replica_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    requests_running: "int | None" = betterproto2.field(
+        3, betterproto2.TYPE_UINT32, optional=True
+    )
+    """
+    Requests being generated now, and waiting in the engine's queue.
+    """
+
+    requests_waiting: "int | None" = betterproto2.field(
+        4, betterproto2.TYPE_UINT32, optional=True
+    )
+
+    kv_cache_usage: "float | None" = betterproto2.field(
+        5, betterproto2.TYPE_DOUBLE, optional=True
+    )
+    """
+    Fraction of the KV cache in use, 0..1.
+    """
+
+    prefix_cache_hit_rate: "float | None" = betterproto2.field(
+        6, betterproto2.TYPE_DOUBLE, optional=True
+    )
+    """
+    Prefix-cache hits per query over the last interval (vLLM's counters as a rate; SGLang's own
+    gauge), 0..1.
+    """
+
+    generation_tokens_per_second: "float | None" = betterproto2.field(
+        7, betterproto2.TYPE_DOUBLE, optional=True
+    )
+    """
+    Generation tokens per second over the last interval, from the engine's counter.
+    """
+
+    sample_age_seconds: "float" = betterproto2.field(8, betterproto2.TYPE_DOUBLE)
+    """
+    How old the figures are (seconds since the scrape they come from finished), on the agent's
+    monotonic clock; the control plane adds the time since it received them.
+    """
+
+    stale: "bool" = betterproto2.field(9, betterproto2.TYPE_BOOL)
+    """
+    The figures are older than two intervals (the last scrapes failed or hang): shown as stale.
+    """
+
+    error: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    Why the last scrape failed, or what was refused in it (a NaN, a negative count); empty when clean.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "ShardLoad", ShardLoad)
 
 
 @dataclass(eq=False, repr=False)
