@@ -29,9 +29,11 @@ def test_demo_runs_end_to_end() -> None:
     assert re.search(r"gpu01\s+ready", out) and re.search(r"gpu02\s+ready", out)
     assert re.search(r"llama-3\.1-8b-instruct\s+2/2\s+2\s+2", out)  # get models: READY PLACED WANTED
     replicas = re.findall(
-        r"^llama-3\.1-8b-instruct-r\d\s+llama-3\.1-8b-instruct\s+ready\s.*\b21[01]\d\d$", out, re.M
+        r"^llama-3\.1-8b-instruct-r\d\s+llama-3\.1-8b-instruct\s+ready\s.*\s21[01]\d\d(\s+\S+){5}$", out, re.M
     )
-    assert len(replicas) == 2, out  # get replicas -o wide: both ready, each with its engine's port
+    assert len(replicas) == 2, (
+        out
+    )  # get replicas -o wide: both ready, each with its engine's port, then its five load columns
     assert out.rstrip().endswith("demo | done")
     # Every engine the demo started is gone again.
     assert sim_engines() <= before
