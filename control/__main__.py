@@ -130,9 +130,9 @@ async def _serve(
         with trio.move_on_after(10) as waited:
             await plane.save_now()
         if waited.cancelled_caught:
-            log.warning("control plane stopped; saving %s took over 10 s and was left", plane.state_file)
+            log.warning("control plane stopped; saving %s took over 10 s and was left", plane.state_where)
         else:
-            log.info("control plane stopped; state saved in %s", plane.state_file)
+            log.info("control plane stopped; state saved in %s", plane.state_where)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
