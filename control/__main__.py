@@ -64,6 +64,9 @@ async def _reload(plane: ControlPlane, path: Path, lock: trio.Lock) -> None:
     from control.config import ConfigError, parse, read
 
     async with lock:  # one reload at a time: two quick SIGHUPs apply the file twice, in order
+        if not plane.acting:
+            log.warning("SIGHUP: a standby applies nothing (the leader reads its own llmgw.toml)")
+            return
         if not plane.config.runs_control_plane:
             log.warning("SIGHUP: a router-only run has no models to apply; restart it to read %s", path)
             return
@@ -94,26 +97,32 @@ async def _serve(
 
     logs = logs if logs is not None else LogSettings()
     reloading = trio.Lock()
+
+    async def start() -> None:
+        # Started apart from the signal loop: a standby (etcd) waits here until it leads, and a
+        # SIGTERM must stop it meanwhile.
+        await nursery.start(plane.run)
+        if plane.config.runs_control_plane:
+            announce(
+                logs,
+                "llmgw.control",
+                f"llmgw control plane ready: agents :{plane.agent_port} api :{plane.api_port} "
+                f"router :{plane.router_port or '-'}",
+                agents_port=plane.agent_port,
+                api_port=plane.api_port,
+                router_port=plane.router_port or None,
+            )
+        else:
+            announce(
+                logs,
+                "llmgw.control",
+                f"llmgw router ready (router-only run): router :{plane.router_port}",
+                router_port=plane.router_port,
+            )
+
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            await nursery.start(plane.run)
-            if plane.config.runs_control_plane:
-                announce(
-                    logs,
-                    "llmgw.control",
-                    f"llmgw control plane ready: agents :{plane.agent_port} api :{plane.api_port} "
-                    f"router :{plane.router_port or '-'}",
-                    agents_port=plane.agent_port,
-                    api_port=plane.api_port,
-                    router_port=plane.router_port or None,
-                )
-            else:
-                announce(
-                    logs,
-                    "llmgw.control",
-                    f"llmgw router ready (router-only run): router :{plane.router_port}",
-                    router_port=plane.router_port,
-                )
+            nursery.start_soon(start)
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     if config_path is not None:
@@ -125,7 +134,8 @@ async def _serve(
                 )
                 nursery.cancel_scope.cancel()
                 break
-    if plane.config.runs_control_plane:
+    if plane.config.runs_control_plane and plane.config.state.backend == "file":
+        # (etcd: the plane saved before its etcd client closed, if it led; a standby saves nothing.)
         # Nothing is cancelled out here (plane.run has returned), so the bound is the only guard.
         with trio.move_on_after(10) as waited:
             await plane.save_now()
@@ -293,6 +303,7 @@ def startup_problems(config: ControlConfig, text: str, source: str) -> list[str]
         problems.append(_state_dir_problem(config, text, source))
         listeners = [("agents", config.listen.agents), ("api", config.listen.api), *listeners]
         problems.append(_api_tls_problem(config, text, source))
+        problems.append(config.state.password_problem(os.environ))
     problems += [_listen_problem(key, address, text, source) for key, address in listeners if address]
     return [p for p in problems if p]
 

@@ -45,7 +45,7 @@ from control.agentsvc import AgentService
 from control.api import serve_api
 from control.catalog import Action, Catalog, Change
 from control.config import ControlConfig, Listen, ModelConfig
-from control.etcd import EtcdConfig, EtcdLeaseLost, LeaseKeeper, connect
+from control.etcd import EtcdClient, EtcdConfig, EtcdError, EtcdLeaseLost, LeaseKeeper, connect
 from control.events import Event, EventLog, Kind
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.fleetmetrics import FleetMetrics
@@ -217,6 +217,8 @@ class ControlPlane:
         #: Whether this control plane may send commands now: always with the file backend; with
         #: etcd, while the leader's lease is surely ours for a command's time (``control.leader``).
         self.may_act: Callable[[], bool] = lambda: True
+        #: Whether this control plane acts (always with the file; with etcd, once it leads).
+        self.acting = config.state.backend == "file"
         #: Set when a fenced write was refused: another control plane leads (``run`` stops).
         self.deposed = trio.Event()
         #: What the admin API reads and asks (``control.query.ControlQuery``).
@@ -843,8 +845,6 @@ class ControlPlane:
         """With ``[state] backend = "etcd"``: wait to lead (``control.leader``), then start from etcd's
         state and serve as the file backend does, every write fenced; stop (``SteppedDown``) when
         the lease is lost or a write is refused."""
-        from router.server import Router
-
         state = self.config.state
         password = state.password_from(os.environ)
         if problem := state.password_problem(os.environ):
@@ -862,21 +862,51 @@ class ControlPlane:
         async with connect(etcd_config) as client, trio.open_nursery() as nursery:
             keeper = await client.keeper(state.lease_ttl)
             nursery.start_soon(self._keep_lease, keeper)
-            member = f"{socket.gethostname()} {self.config.listen.agents}"
-            led = await campaign(client, state.prefix, member, keeper)
-            store = EtcdStore(client, state.prefix, led.fence)
-            self.state_where = store.where
-            self._saver = StateSaver(store)
-            # A command is acted on within about a second; the lease must outlive that.
-            self.may_act = lambda: keeper.valid(margin=1.0)
-            secret, _ = await store.get_or_create(SHARD_KEY_SECRET_KEY, secrets.token_hex(32).encode())
-            self.shard_key_secret = secret.strip()
-            self._restore(await store.load())
-            joins = await JoinBook.load_etcd(store, self.config.state_dir)
-            self._joins_loaded(joins)
-            nursery.start_soon(self._step_down_when_deposed)
-            await self._serve(Router(self.routes, self.config.router_config), task_status)
-            nursery.cancel_scope.cancel()
+            try:
+                await self._lead(client, keeper, nursery, task_status)
+            finally:
+                # Stopping (SIGTERM, or stepping down): what changed since the last pass, while the
+                # client is open; then the lease is handed back, so a standby need not wait it out.
+                with trio.CancelScope(shield=True), trio.move_on_after(10):
+                    await self._last_etcd_save(keeper)
+
+    async def _lead(
+        self,
+        client: EtcdClient,
+        keeper: LeaseKeeper,
+        nursery: trio.Nursery,
+        task_status: trio.TaskStatus[ControlPlane],
+    ) -> None:
+        """Campaign (a standby until then), then start from etcd's state and serve."""
+        from router.server import Router
+
+        state = self.config.state
+        member = f"{socket.gethostname()} {self.config.listen.agents}"
+        led = await campaign(client, state.prefix, member, keeper)
+        self.acting = True
+        store = EtcdStore(client, state.prefix, led.fence)
+        self.state_where = store.where
+        self._saver = StateSaver(store)
+        # A command is acted on within about a second; the lease must outlive that.
+        self.may_act = lambda: keeper.valid(margin=1.0)
+        secret, _ = await store.get_or_create(SHARD_KEY_SECRET_KEY, secrets.token_hex(32).encode())
+        self.shard_key_secret = secret.strip()
+        self._restore(await store.load())
+        self._joins_loaded(await JoinBook.load_etcd(store, self.config.state_dir))
+        nursery.start_soon(self._step_down_when_deposed)
+        await self._serve(Router(self.routes, self.config.router_config), task_status)
+
+    async def _last_etcd_save(self, keeper: LeaseKeeper) -> None:
+        if self.acting and not self.deposed.is_set():
+            try:
+                await self.save()
+                log.info("control plane stopped; state saved in %s", self.state_where)
+            except Exception as exc:  # etcd gone, or no longer the leader: said, not raised
+                log.warning("control plane stopped; the last save to %s failed: %s", self.state_where, exc)
+        try:
+            await keeper.revoke()
+        except EtcdError as exc:
+            log.warning("could not hand back the leader's lease (it lapses in its TTL): %s", exc)
 
     async def _keep_lease(self, keeper: LeaseKeeper) -> None:
         try:

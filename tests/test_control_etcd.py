@@ -119,3 +119,38 @@ def test_two_control_planes_one_leads_and_the_other_takes_over_after_a_kill9(
     finally:
         fleet.stop()
         standby.terminate()
+
+
+def test_a_stopped_leader_hands_over_at_once_and_a_standby_stops_on_sigterm(
+    tmp_path: Path, etcd: Member
+) -> None:
+    """SIGTERM: the leader saves and revokes its lease, so the standby leads well within the TTL
+    (10 s here); a standby, waiting to lead, stops on SIGTERM too (exit 0) and wrote nothing."""
+    state = etcd_state(etcd).replace(f"lease_ttl = {TTL}", "lease_ttl = 10")
+    planes = [
+        ControlProcess(
+            tmp_path / f"cp{i}", catalog("s", tmp_path / f"cp{i}" / "state", state, top="insecure = true")
+        )
+        for i in range(3)
+    ]
+    try:
+        planes[0].start()
+        offsets = [p.spawn() for p in planes[1:]]
+        for p in planes[1:]:
+            poll("a standby", lambda p=p: "standby:" in p.log.read_text())  # type: ignore[misc]
+        planes[2].terminate()
+        assert planes[2].proc is not None and planes[2].proc.returncode == 0, planes[2].log.read_text()[
+            -2000:
+        ]
+        assert not (planes[2].state_dir() / "control-state.json").exists()
+        stopped = time.monotonic()
+        planes[0].terminate()
+        assert planes[0].proc is not None and planes[0].proc.returncode == 0
+        assert "state saved in etcd" in planes[0].log.read_text()
+        planes[1].wait_ready(offsets[0])
+        took = time.monotonic() - stopped
+        assert took < 5, f"the standby led {took:.1f} s after the leader stopped (TTL 10 s)"
+        print(f"handed over in {took:.2f} s (lease TTL 10 s)")
+    finally:
+        for p in planes:
+            p.terminate()
