@@ -1,4 +1,5 @@
-"""``python -m control --config llmgw.toml`` runs the control plane; ``python -m control ctl ...`` asks it.
+"""``python -m control --config llmgw.toml`` runs the control plane; ``python -m control ctl ...`` asks it;
+``python -m control migrate-state --to etcd|file`` moves its state between backends (``control.migrate``).
 
 ``ctl`` (``control.ctl``) is the operator's client: ``get nodes|replicas|models``, ``describe``,
 ``logs -f``, ``apply -f``, ``scale``, ``delete``, ``cordon``, ``drain`` and the rest, each with
@@ -149,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ctl"]:
         return ctl(argv[1:])
+    if argv[:1] == ["migrate-state"]:
+        from control.migrate import main as migrate
+
+        return migrate(argv[1:])
     import trio
 
     from control.config import ConfigError, parse, read

@@ -4,6 +4,9 @@ a deposed leader change nothing; the leader election (control.leader)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -138,3 +141,66 @@ def test_the_state_section_is_checked_naming_key_and_line() -> None:
     )
     assert cfg.state.password_problem({}) == ""
     assert parse("").state.backend == "file"
+
+
+def migrate(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "control", "migrate-state", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_migrate_state_to_etcd_and_back_keeps_everything_and_refuses_to_overwrite(
+    etcd: Member, tmp_path: Path
+) -> None:
+    from control.joins import JoinBook
+    from control.plane import load_shard_key_secret
+
+    source, back = tmp_path / "source", tmp_path / "back"
+    fleet = fleet_of(3)
+    fleet.cordon("gpu0001", Cordon.CORDONED)
+    catalog = Catalog()
+    catalog.apply_file(parse(f"[[models]]\n{MODELS}").models)
+    source.mkdir()
+    trio.run(
+        StateSaver(source / "control-state.json").save,
+        fleet.generation,
+        fleet.nodes.values(),
+        (),
+        fleet.cordons,
+        catalog,
+    )
+    book = JoinBook.load(source)
+    trio.run(book.issue, "gpu0002")
+    secret = load_shard_key_secret(source)
+    state = etcd_state_section(etcd)
+    (tmp_path / "a.toml").write_text(f'state_dir = "{source}"\n{state}')
+    (tmp_path / "b.toml").write_text(f'state_dir = "{back}"\n{state}')
+
+    done = migrate(tmp_path / "a.toml", "--to", "etcd")
+    assert done.returncode == 0 and "to etcd /llmgw/" in done.stdout, done.stderr
+    again = migrate(tmp_path / "a.toml", "--to", "etcd")
+    assert again.returncode == 1 and "etcd /llmgw/ is not empty" in again.stderr
+    assert migrate(tmp_path / "a.toml", "--to", "etcd", "--force").returncode == 0
+
+    done = migrate(tmp_path / "b.toml", "--to", "file")
+    assert done.returncode == 0, done.stderr
+    original = parse_state((source / "control-state.json").read_text())
+    assert parse_state((back / "control-state.json").read_text()) == original
+    assert original.cordons == (("gpu0001", Cordon.CORDONED),) and len(original.registers) == 3
+    assert (back / "join-token").read_text() == (source / "join-token").read_text()
+    assert json.loads((back / "node-credentials.json").read_text()) == json.loads(
+        (source / "node-credentials.json").read_text()
+    )
+    assert load_shard_key_secret(back) == secret
+    refused = migrate(tmp_path / "b.toml", "--to", "file")
+    assert refused.returncode == 1 and "control-state.json exists; give --force" in refused.stderr
+    file_backend = tmp_path / "c.toml"
+    file_backend.write_text(f'state_dir = "{source}"\n')
+    assert "set backend = 'etcd'" in migrate(file_backend, "--to", "etcd").stderr
+
+
+def etcd_state_section(member: Member) -> str:
+    return f'[state]\nbackend = "etcd"\nendpoints = ["{member.endpoint}"]\n'
