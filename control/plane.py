@@ -684,13 +684,13 @@ class ControlPlane:
         return profile
 
     async def reconcile_once(self) -> None:
-        if not self.may_act():
-            # The lease may lapse before a command is acted on: a leader that cannot renew stops
-            # sending before another can have taken over.
-            log.warning("not reconciling: the leader's lease cannot be renewed in time (etcd unreachable?)")
-            return
         self._transitions(self.fleet.tick(self.clock()))
         plan = await self.replan()
+        if not self.may_act():
+            # Checked after the last await before the commands go out: the lease must outlive
+            # them, so a leader that cannot renew stops sending before another can have taken over.
+            log.warning("not reconciling: the leader's lease cannot be renewed in time (etcd unreachable?)")
+            return
         self._rollout_statuses(plan)
         now = self.clock()
         specs = {s.shard_id: self.start_spec(r, s) for r in plan.replicas for s in r.shards}

@@ -204,3 +204,24 @@ def test_migrate_state_to_etcd_and_back_keeps_everything_and_refuses_to_overwrit
 
 def etcd_state_section(member: Member) -> str:
     return f'[state]\nbackend = "etcd"\nendpoints = ["{member.endpoint}"]\n'
+
+
+def test_a_leader_whose_lease_may_lapse_sends_no_command(tmp_path: Path) -> None:
+    """``may_act`` (the lease keeper's ``valid(margin)`` with etcd) is asked before the commands go
+    out: while it says no, a pass sends nothing; once it says yes, the StartShard goes."""
+    from control.plane import ControlPlane
+
+    cfg = parse(f'state_dir = "{tmp_path}"\n[[models]]\n{MODELS}'.replace("replicas = 2", "replicas = 1"))
+    plane = ControlPlane(cfg, clock=lambda: 100.0)
+    sent: list[str] = []
+    plane.agents.send = lambda node_id, **fields: sent.append(node_id) or 1  # type: ignore[method-assign,func-returns-value]
+    register = schema.Register(
+        node_id="n1", mgmt_addr="10.0.0.1", engine_ports=schema.PortRange(first=8000, last=8010)
+    )
+    plane.fleet.registered(register, 100.0)
+    plane.may_act = lambda: False
+    trio.run(plane.reconcile_once)
+    assert sent == []
+    plane.may_act = lambda: True
+    trio.run(plane.reconcile_once)
+    assert sent == ["n1"]
