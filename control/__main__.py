@@ -206,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The ports were free a moment ago (startup_problems); one taken since is still one line.
         lost = _bind_errors(exc)
         if not lost:
+            if stopped := _state_stop(exc):
+                # etcd backend: stepped down, etcd unusable, or a state it cannot read: one line.
+                print(f"llmgw-control: {stopped}", file=sys.stderr)
+                return 1
             raise
         print(
             f"llmgw-control: cannot listen: {lost[0].strerror}; a port was taken while starting",
@@ -352,6 +356,21 @@ def _bind_errors(exc: BaseException) -> list[OSError]:
         e for e in leaves if isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
     ]
     return binds if len(binds) == len(leaves) else []
+
+
+def _state_stop(exc: BaseException) -> str:
+    """Why an etcd-backed control plane stopped, when that is all its error is: it stepped down
+    (``control.leader``), etcd could not be used, or the state in it is damaged; "" otherwise."""
+    from control.etcd import EtcdError
+    from control.leader import SteppedDown
+    from control.state import StateFileError
+
+    leaves = _leaves(exc)
+    known = [e for e in leaves if isinstance(e, SteppedDown | EtcdError | StateFileError)]
+    if not known or len(known) != len(leaves):
+        return ""
+    what = "stepped down" if isinstance(known[0], SteppedDown) else "state backend"
+    return f"{what}: {known[0]}"
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

@@ -154,3 +154,39 @@ def test_a_stopped_leader_hands_over_at_once_and_a_standby_stops_on_sigterm(
     finally:
         for p in planes:
             p.terminate()
+
+
+def test_a_leader_whose_lease_is_gone_steps_down_and_the_standby_leads(tmp_path: Path, etcd: Member) -> None:
+    """The leader's lease revoked behind its back (as when etcd expired it while the leader was
+    paused): the leader logs that it steps down and exits 1, having sent nothing more; the standby
+    leads at a larger epoch."""
+    import base64
+
+    state = etcd_state(etcd)
+    planes = [
+        ControlProcess(
+            tmp_path / f"cp{i}", catalog("d", tmp_path / f"cp{i}" / "state", state, top="insecure = true")
+        )
+        for i in range(2)
+    ]
+    try:
+        planes[0].start()
+        offset = planes[1].spawn()
+        poll("a standby", lambda: "standby:" in planes[1].log.read_text())
+        key = base64.b64encode(b"/llmgw/leader").decode()
+        [kv] = httpx.post(f"{etcd.endpoint}/v3/kv/range", json={"key": key}, timeout=10).json()["kvs"]
+        httpx.post(
+            f"{etcd.endpoint}/v3/lease/revoke", json={"ID": kv["lease"]}, timeout=10
+        ).raise_for_status()
+        old = planes[0].proc
+        assert old is not None
+        poll("the old leader to exit", lambda: old.poll() is not None, timeout=TTL + 10)
+        assert old.returncode == 1
+        log = planes[0].log.read_text()
+        assert "stepping down" in log, log[-2000:]
+        planes[1].wait_ready(offset)
+        epochs = [int(m) for p in planes for m in re.findall(r"leading \(epoch (\d+)", p.log.read_text())]
+        assert len(epochs) == 2 and epochs[1] > epochs[0]
+    finally:
+        for p in planes:
+            p.terminate()
