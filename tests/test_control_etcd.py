@@ -190,3 +190,60 @@ def test_a_leader_whose_lease_is_gone_steps_down_and_the_standby_leads(tmp_path:
     finally:
         for p in planes:
             p.terminate()
+
+
+@pytest.mark.chaos
+def test_a_leader_paused_past_its_lease_sends_nothing_when_resumed_and_steps_down(
+    tmp_path: Path, etcd: Member
+) -> None:
+    """SIGSTOP the leader past its lease: the standby leads and the agents go to it; SIGCONT the old
+    one: it sends no command (its lease is not valid for one), logs that it steps down and exits 1;
+    the engines are the same processes throughout."""
+    import os
+    import signal
+
+    fleet = Fleet(tmp_path, "p", LAYOUT_A, extra=etcd_state(etcd), top="insecure = true")
+    standby = ControlProcess(
+        tmp_path / "cp2", catalog("p", tmp_path / "cp2" / "state", etcd_state(etcd), top="insecure = true")
+    )
+    chat = CHAT.format(tag="p")
+    old = None
+    try:
+        fleet.cp.start()
+        offset = standby.spawn()
+        poll("the second control plane to wait as a standby", lambda: "standby:" in standby.log.read_text())
+        found = re.search(r'agents = "127.0.0.1:(\d+)"', standby.config.read_text())
+        assert found is not None
+        fleet.start(server=f"http://127.0.0.1:{fleet.cp.agent_port},http://127.0.0.1:{found.group(1)}")
+        poll(f"2 ready replicas of {chat}", lambda: fleet.ready_replicas(chat, 2))
+        before = sim_processes(chat)
+        old = fleet.cp.proc
+        assert old is not None
+        os.kill(old.pid, signal.SIGSTOP)
+        poll("the standby to lead", lambda: "leading (epoch" in standby.log.read_text(), timeout=TTL + 10)
+        standby.wait_ready(offset)
+        poll(
+            "all three nodes ready on the new leader",
+            lambda: (
+                sorted(n["node_id"] for n in standby.api("/api/nodes") if n["state"] == "ready")
+                == ["gpu01", "gpu02", "gpu03"]
+            ),
+        )
+        resumed_at = fleet.cp.log.stat().st_size
+        os.kill(old.pid, signal.SIGCONT)
+        poll("the old leader to step down and exit", lambda: old.poll() is not None, timeout=30)
+        after = fleet.cp.log.read_bytes()[resumed_at:].decode(errors="replace")
+        assert old.returncode == 1 and "stepping down" in after, after[-3000:]
+        assert not re.search(r"llmgw.control: (start|stop|drain) ", after), after[-3000:]
+        poll(
+            f"{chat} ready on the new leader",
+            lambda: [r for r in standby.api("/api/replicas") if r["model"] == chat and r["state"] == "ready"][
+                1:
+            ],
+        )
+        assert sim_processes(chat) == before and all(pid_alive(p) for p in before)
+    finally:
+        if old is not None and old.poll() is None:
+            os.kill(old.pid, signal.SIGCONT)
+        fleet.stop()
+        standby.terminate()
