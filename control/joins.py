@@ -15,7 +15,9 @@ constant time (``hmac.compare_digest``), and neither secret is ever logged or wr
 (``control-state.json`` keeps Registers without them).
 
 Files are read and written in worker threads by the callers (``trio.to_thread.run_sync``); the
-methods here that touch the disk say so.
+methods here that touch the disk say so. With ``[state] backend = "etcd"`` the token and the digests
+are etcd keys instead (``JoinBook.load_etcd``, ``control.statestore``): a join or a reset writes the
+one node's key, fenced by the leader's, never the whole table.
 """
 
 from __future__ import annotations
