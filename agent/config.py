@@ -110,10 +110,19 @@ def server_problem(url: str) -> str:
     return ""
 
 
+def server_urls(value: str) -> tuple[str, ...]:
+    """The control planes' URLs in ``--server`` (comma-separated: several control planes on one
+    etcd prefix, tried in order; the one that leads accepts the stream)."""
+    return tuple(part.strip() for part in value.split(","))
+
+
 def _server_url(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    problem = server_problem(value)
-    if problem:
-        raise FieldProblem((attribute.name,), f"{attribute.name} {problem}")
+    urls = server_urls(value)
+    for i, url in enumerate(urls):
+        problem = server_problem(url)
+        if problem:
+            where = f"{attribute.name} (URL {i + 1} of {len(urls)})" if len(urls) > 1 else attribute.name
+            raise FieldProblem((attribute.name,), f"{where} {problem}")
 
 
 def engine_problem(name: str) -> str:
@@ -165,9 +174,16 @@ class AgentConfig:
     """Everything the agent runs with; see the module docstring for where values come from."""
 
     node_id: str
-    #: The control plane's agent endpoint: ``http://``, ``https://``, ``ws://`` or ``wss://`` URL.
+    #: The control plane's agent endpoint: ``http://``, ``https://``, ``ws://`` or ``wss://`` URL;
+    #: several, comma-separated, for control planes sharing state in etcd (``servers``).
     server: str = attrs.field(validator=_server_url)
     hostname: str = attrs.field(factory=socket.gethostname)
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """Every control plane URL in ``server``, in the order they are tried."""
+        return server_urls(self.server)
+
     #: Address the router and other nodes reach this node's engines on; empty: derived at start.
     mgmt_addr: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -349,7 +365,7 @@ _TEXT_PARSERS = {
 #: the real one. A field without a line here fails ``build_parser``, and so the tests.
 FIELD_HELP: dict[str, str] = {
     "node_id": "this node's name in the fleet: letters, digits, '.', '_', '-'",
-    "server": "the control plane's agent endpoint: http://, https://, ws:// or wss:// URL",
+    "server": "the control plane's agent endpoint: http://, https://, ws:// or wss:// URL (several, comma-separated: tried in turn)",
     "hostname": "the host name reported to the control plane",
     "mgmt_addr": "address the router and other nodes reach this node's engines on",
     "labels": "node labels for placement, KEY=VALUE,KEY=VALUE",

@@ -59,7 +59,7 @@ def mgmt_address(config: AgentConfig) -> str:
     """
     if config.mgmt_addr:
         return config.mgmt_addr
-    parts = urlsplit(config.server)
+    parts = urlsplit(config.servers[0])
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((parts.hostname or "127.0.0.1", parts.port or 80))  # UDP: sends nothing
@@ -227,7 +227,11 @@ async def run_agent(
         root.start_soon(scraper.run)
         task_status.started(supervisor)
         attempt = 0
+        # Which of the control planes to dial: the same one while it takes us, the next one after an
+        # attempt it did not register (down, or a standby answering with the leader's name).
+        which = 0
         while True:
+            server = config.servers[which % len(config.servers)]
             result = SessionResult()
             if metrics is not None:
                 metrics.attempt()
@@ -238,7 +242,7 @@ async def run_agent(
                 register.node_credential = await trio.to_thread.run_sync(
                     read_credential, config.state_dir, config.node_id
                 )
-                async with open_stream(config.server, options) as stream:
+                async with open_stream(server, options) as stream:
                     session = Session(
                         stream,
                         register=register,
@@ -260,6 +264,8 @@ async def run_agent(
                 result.reason = f"unexpected {type(exc).__name__}: {exc}"
             if result.registered:
                 attempt = 0
+            else:
+                which += 1
             if metrics is not None:
                 metrics.disconnected()
             delay = backoff_delay(attempt, config.reconnect_base, config.reconnect_max, rng.random())
@@ -267,7 +273,7 @@ async def run_agent(
             log.log(
                 logging.INFO if result.graceful else logging.WARNING,
                 "session with %s ended (%s); reconnecting in %.1f s",
-                config.server,
+                server,
                 result.reason or "?",
                 delay,
             )

@@ -1,4 +1,5 @@
-"""``python -m control --config llmgw.toml`` runs the control plane; ``python -m control ctl ...`` asks it.
+"""``python -m control --config llmgw.toml`` runs the control plane; ``python -m control ctl ...`` asks it;
+``python -m control migrate-state --to etcd|file`` moves its state between backends (``control.migrate``).
 
 ``ctl`` (``control.ctl``) is the operator's client: ``get nodes|replicas|models``, ``describe``,
 ``logs -f``, ``apply -f``, ``scale``, ``delete``, ``cordon``, ``drain`` and the rest, each with
@@ -64,6 +65,9 @@ async def _reload(plane: ControlPlane, path: Path, lock: trio.Lock) -> None:
     from control.config import ConfigError, parse, read
 
     async with lock:  # one reload at a time: two quick SIGHUPs apply the file twice, in order
+        if not plane.acting:
+            log.warning("SIGHUP: a standby applies nothing (the leader reads its own llmgw.toml)")
+            return
         if not plane.config.runs_control_plane:
             log.warning("SIGHUP: a router-only run has no models to apply; restart it to read %s", path)
             return
@@ -94,26 +98,32 @@ async def _serve(
 
     logs = logs if logs is not None else LogSettings()
     reloading = trio.Lock()
+
+    async def start() -> None:
+        # Started apart from the signal loop: a standby (etcd) waits here until it leads, and a
+        # SIGTERM must stop it meanwhile.
+        await nursery.start(plane.run)
+        if plane.config.runs_control_plane:
+            announce(
+                logs,
+                "llmgw.control",
+                f"llmgw control plane ready: agents :{plane.agent_port} api :{plane.api_port} "
+                f"router :{plane.router_port or '-'}",
+                agents_port=plane.agent_port,
+                api_port=plane.api_port,
+                router_port=plane.router_port or None,
+            )
+        else:
+            announce(
+                logs,
+                "llmgw.control",
+                f"llmgw router ready (router-only run): router :{plane.router_port}",
+                router_port=plane.router_port,
+            )
+
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            await nursery.start(plane.run)
-            if plane.config.runs_control_plane:
-                announce(
-                    logs,
-                    "llmgw.control",
-                    f"llmgw control plane ready: agents :{plane.agent_port} api :{plane.api_port} "
-                    f"router :{plane.router_port or '-'}",
-                    agents_port=plane.agent_port,
-                    api_port=plane.api_port,
-                    router_port=plane.router_port or None,
-                )
-            else:
-                announce(
-                    logs,
-                    "llmgw.control",
-                    f"llmgw router ready (router-only run): router :{plane.router_port}",
-                    router_port=plane.router_port,
-                )
+            nursery.start_soon(start)
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     if config_path is not None:
@@ -125,20 +135,25 @@ async def _serve(
                 )
                 nursery.cancel_scope.cancel()
                 break
-    if plane.config.runs_control_plane:
+    if plane.config.runs_control_plane and plane.config.state.backend == "file":
+        # (etcd: the plane saved before its etcd client closed, if it led; a standby saves nothing.)
         # Nothing is cancelled out here (plane.run has returned), so the bound is the only guard.
         with trio.move_on_after(10) as waited:
             await plane.save_now()
         if waited.cancelled_caught:
-            log.warning("control plane stopped; saving %s took over 10 s and was left", plane.state_file)
+            log.warning("control plane stopped; saving %s took over 10 s and was left", plane.state_where)
         else:
-            log.info("control plane stopped; state saved in %s", plane.state_file)
+            log.info("control plane stopped; state saved in %s", plane.state_where)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ctl"]:
         return ctl(argv[1:])
+    if argv[:1] == ["migrate-state"]:
+        from control.migrate import main as migrate
+
+        return migrate(argv[1:])
     import trio
 
     from control.config import ConfigError, parse, read
@@ -191,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The ports were free a moment ago (startup_problems); one taken since is still one line.
         lost = _bind_errors(exc)
         if not lost:
+            if stopped := _state_stop(exc):
+                # etcd backend: stepped down, etcd unusable, or a state it cannot read: one line.
+                print(f"llmgw-control: {stopped}", file=sys.stderr)
+                return 1
             raise
         print(
             f"llmgw-control: cannot listen: {lost[0].strerror}; a port was taken while starting",
@@ -293,6 +312,7 @@ def startup_problems(config: ControlConfig, text: str, source: str) -> list[str]
         problems.append(_state_dir_problem(config, text, source))
         listeners = [("agents", config.listen.agents), ("api", config.listen.api), *listeners]
         problems.append(_api_tls_problem(config, text, source))
+        problems.append(config.state.password_problem(os.environ))
     problems += [_listen_problem(key, address, text, source) for key, address in listeners if address]
     return [p for p in problems if p]
 
@@ -336,6 +356,21 @@ def _bind_errors(exc: BaseException) -> list[OSError]:
         e for e in leaves if isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
     ]
     return binds if len(binds) == len(leaves) else []
+
+
+def _state_stop(exc: BaseException) -> str:
+    """Why an etcd-backed control plane stopped, when that is all its error is: it stepped down
+    (``control.leader``), etcd could not be used, or the state in it is damaged; "" otherwise."""
+    from control.etcd import EtcdError
+    from control.leader import SteppedDown
+    from control.state import StateFileError
+
+    leaves = _leaves(exc)
+    known = [e for e in leaves if isinstance(e, SteppedDown | EtcdError | StateFileError)]
+    if not known or len(known) != len(leaves):
+        return ""
+    what = "stepped down" if isinstance(known[0], SteppedDown) else "state backend"
+    return f"{what}: {known[0]}"
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

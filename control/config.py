@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,7 @@ __all__ = [
     "ControlConfig",
     "FieldProblem",
     "ModelConfig",
+    "StateConfig",
     "dotted",
     "line_of",
     "load",
@@ -549,9 +550,97 @@ ROUTER_KEYS: dict[str, str] = {
 }
 
 
+#: The environment variable the etcd password may come from instead of ``[state] password``
+#: (a config file is often readable by more people than the process environment).
+ETCD_PASSWORD_ENV = "LLMGW_ETCD_PASSWORD"
+
+
+def _state_backend(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in ("file", "etcd"):
+        raise FieldProblem(attribute.name, f"backend must be 'file' or 'etcd', got {value!r}")
+
+
+def _etcd_endpoints(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
+    for i, url in enumerate(value):
+        rest = url.split("://", 1)[1] if "://" in url else ""
+        if not url.startswith(("http://", "https://")) or not rest.rstrip("/") or "/" in rest.rstrip("/"):
+            raise FieldProblem(
+                (attribute.name, i),
+                f"endpoints[{i}] {url!r} is not an etcd client URL; write http://HOST:PORT or "
+                "https://HOST:PORT (no path), e.g. 'https://10.0.0.1:2379'",
+            )
+
+
+def _state_prefix(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not value.startswith("/") or not value.endswith("/") or len(value) < 2:
+        raise FieldProblem(
+            attribute.name, f"prefix must begin and end with '/', e.g. '/llmgw/', got {value!r}"
+        )
+
+
+@attrs.frozen
+class StateConfig:
+    """Where the control plane keeps what survives it (``[state]``): the file in ``state_dir`` (the
+    default, one host) or etcd (several control planes, one leader). Checked here so that a bad
+    value names its key and line at start, not at the first write."""
+
+    backend: str = attrs.field(default="file", validator=_state_backend)
+    endpoints: tuple[str, ...] = attrs.field(default=(), validator=_etcd_endpoints)
+    prefix: str = attrs.field(default="/llmgw/", validator=_state_prefix)
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str = ""
+    #: Also from the environment (``LLMGW_ETCD_PASSWORD``), which wins over the file.
+    password: str = attrs.field(default="", repr=False)
+    #: The leader's lease: a leader that stops renewing is replaced within about this.
+    lease_ttl: int = attrs.field(default=10)
+    #: Send the password over plain http:// all the same (a lab only; said loudly at start).
+    insecure_password: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.lease_ttl < 2:
+            raise FieldProblem(
+                "lease_ttl", f"lease_ttl must be a whole number of seconds from 2, got {self.lease_ttl}"
+            )
+        if self.backend == "file":
+            given = [k for k in ("endpoints", "ca", "cert", "key", "user", "password") if getattr(self, k)]
+            if given:
+                raise FieldProblem(given[0], f"{given[0]} is for backend = 'etcd', but backend is 'file'")
+            return
+        if not self.endpoints:
+            raise FieldProblem("endpoints", "endpoints is empty; backend = 'etcd' needs etcd's client URLs")
+        if (self.cert is None) != (self.key is None):
+            raise FieldProblem(
+                "cert" if self.cert is None else "key", "cert and key go together (one is missing)"
+            )
+        if (self.ca or self.cert) and not any(e.startswith("https://") for e in self.endpoints):
+            raise FieldProblem("ca" if self.ca else "cert", "TLS files are given but no endpoint is https://")
+        if self.password and not self.user:
+            raise FieldProblem("password", "password is given without a user")
+
+    def password_from(self, environ: Mapping[str, str]) -> str:
+        """The etcd password: ``LLMGW_ETCD_PASSWORD`` when set, else the file's."""
+        return environ.get(ETCD_PASSWORD_ENV) or self.password
+
+    def password_problem(self, environ: Mapping[str, str]) -> str:
+        """Why the password may not be sent (it would cross the network in clear), or ""."""
+        if not self.password_from(environ) or self.insecure_password:
+            return ""
+        clear = [e for e in self.endpoints if e.startswith("http://")]
+        if not clear:
+            return ""
+        return (
+            f"[state] password: would be sent in clear to {clear[0]}; use https:// endpoints (with ca), "
+            "or set insecure_password = true for a lab"
+        )
+
+
 @attrs.frozen
 class ControlConfig:
     state_dir: Path = Path("/var/lib/llmgw-control")
+    #: Where the state lives: the file in ``state_dir`` or etcd (``StateConfig``).
+    state: StateConfig = StateConfig()
     listen: Listen = Listen()
     tls: TLSConfig | None = None
     liveness: Liveness = Liveness()

@@ -15,7 +15,9 @@ constant time (``hmac.compare_digest``), and neither secret is ever logged or wr
 (``control-state.json`` keeps Registers without them).
 
 Files are read and written in worker threads by the callers (``trio.to_thread.run_sync``); the
-methods here that touch the disk say so.
+methods here that touch the disk say so. With ``[state] backend = "etcd"`` the token and the digests
+are etcd keys instead (``JoinBook.load_etcd``, ``control.statestore``): a join or a reset writes the
+one node's key, fenced by the leader's, never the whole table.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ import hashlib
 import hmac
 import json
 import secrets
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 import statefile
+from control.statestore import JOIN_TOKEN_KEY
+
+if TYPE_CHECKING:
+    from control.statestore import EtcdStore
 
 #: The cluster join token, in the control plane's state directory.
 JOIN_TOKEN_FILE = "join-token"
@@ -53,9 +61,18 @@ def same_secret(given: str, expected: str) -> bool:
 class JoinBook:
     """The join token and the node credential bindings of one control plane (see the module doc)."""
 
-    def __init__(self, state_dir: Path, join_token: str, bindings: dict[str, str], created: bool) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        join_token: str,
+        bindings: dict[str, str],
+        created: bool,
+        bind: Callable[[str, str | None], Awaitable[None]] | None = None,
+        token_path: Path | None = None,
+    ) -> None:
         self.state_dir = state_dir
-        self.token_path = state_dir / JOIN_TOKEN_FILE
+        #: Where the token is kept, for ``ctl token`` and the log (the etcd key in etcd).
+        self.token_path = token_path or state_dir / JOIN_TOKEN_FILE
         self.credentials_path = state_dir / CREDENTIALS_FILE
         self._join_token = join_token
         #: node id -> SHA-256 (hex) of its credential.
@@ -66,6 +83,8 @@ class JoinBook:
         #: after the Ack that carried it). Until then the join token may join the node again and be
         #: issued a new one: an Ack lost with its connection must not lock a new node out.
         self._unconfirmed: set[str] = set()
+        #: The etcd backend's one-key write of a binding (None: forget it); None: the file.
+        self._bind = bind
         # One join decision at a time: two first Registers for the same node id racing each other
         # must not both be issued a credential (the second would silently unbind the first).
         self.lock = trio.Lock()
@@ -104,6 +123,17 @@ class JoinBook:
             raise ValueError(f"{path}: expected an object of node id -> credential digest")
         return cls(state_dir, token, dict(raw), created)
 
+    @classmethod
+    async def load_etcd(cls, store: EtcdStore, state_dir: Path) -> JoinBook:
+        """The join token and bindings kept in etcd (``control.statestore``): the token is made by
+        the first control plane to start, and each binding is a key of its own."""
+        token, bindings, created = await store.load_joins(new_secret())
+        if not token:
+            raise ValueError(
+                f"{store.prefix}{JOIN_TOKEN_KEY} is empty in etcd; delete it to have a new one made"
+            )
+        return cls(state_dir, token, bindings, created, store.bind, Path(store.prefix + JOIN_TOKEN_KEY))
+
     # -- checks (pure) --------------------------------------------------------------------------
 
     def is_join_token(self, token: str) -> bool:
@@ -138,8 +168,9 @@ class JoinBook:
         """Bind ``node_id`` to a new credential and return it; the binding is on disk first, so a
         credential the agent was given is never one a restarted control plane does not know."""
         credential = new_secret()
-        bindings = {**self._bindings, node_id: _digest(credential)}
-        await trio.to_thread.run_sync(self._save, bindings)
+        digest = _digest(credential)
+        bindings = {**self._bindings, node_id: digest}
+        await self._persist(node_id, digest, bindings)
         self._bindings = bindings
         self._unconfirmed.add(node_id)
         return credential
@@ -150,10 +181,17 @@ class JoinBook:
             if node_id not in self._bindings:
                 return False
             bindings = {k: v for k, v in self._bindings.items() if k != node_id}
-            await trio.to_thread.run_sync(self._save, bindings)
+            await self._persist(node_id, None, bindings)
             self._bindings = bindings
             self._unconfirmed.discard(node_id)
             return True
+
+    async def _persist(self, node_id: str, digest: str | None, bindings: dict[str, str]) -> None:
+        """One binding changed: one key in etcd, or the whole (small) file rewritten."""
+        if self._bind is not None:
+            await self._bind(node_id, digest)
+        else:
+            await trio.to_thread.run_sync(self._save, bindings)
 
     def _save(self, bindings: dict[str, str]) -> None:
         statefile.write_atomic(

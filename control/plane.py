@@ -28,10 +28,12 @@ import hmac
 import logging
 import os
 import secrets
+import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -43,9 +45,12 @@ from control.agentsvc import AgentService
 from control.api import serve_api
 from control.catalog import Action, Catalog, Change
 from control.config import ControlConfig, Listen, ModelConfig
+from control.etcd import EtcdClient, EtcdConfig, EtcdError, EtcdLeaseLost, LeaseKeeper, connect
 from control.events import Event, EventLog, Kind
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.fleetmetrics import FleetMetrics
+from control.joins import JoinBook
+from control.leader import SteppedDown, campaign
 from control.notfound import unknown_node
 from control.placement import (
     GpuView,
@@ -72,8 +77,12 @@ from control.rollout import (
 from control.routetable import route_table
 from control.routewatch import RouteWatch
 from control.state import STATE_FILE, SavedState, StateFileError, StateSaver, read_state, set_aside
+from control.statestore import SHARD_KEY_SECRET_KEY, EtcdStore, NotLeader
 from router.routes import ModelRoutes
 from transport import ServerLimits, ServerTLS, StreamServer
+
+if TYPE_CHECKING:
+    from router.server import Router
 
 log = logging.getLogger("llmgw.control")
 State = schema.ShardState
@@ -203,6 +212,15 @@ class ControlPlane:
         self._views_generation = -1
         self._views_list: list[NodeView] = []
         self._saver = StateSaver(self.state_file)
+        #: Where the state is, for the log: the file, or etcd's endpoints and prefix.
+        self.state_where = str(self.state_file)
+        #: Whether this control plane may send commands now: always with the file backend; with
+        #: etcd, while the leader's lease is surely ours for a command's time (``control.leader``).
+        self.may_act: Callable[[], bool] = lambda: True
+        #: Whether this control plane acts (always with the file; with etcd, once it leads).
+        self.acting = config.state.backend == "file"
+        #: Set when a fenced write was refused: another control plane leads (``run`` stops).
+        self.deposed = trio.Event()
         #: What the admin API reads and asks (``control.query.ControlQuery``).
         self.query = PlaneQuery(self)
         #: The admin API's ``/metrics``: the fleet read at scrape time, and the counters below.
@@ -668,6 +686,11 @@ class ControlPlane:
     async def reconcile_once(self) -> None:
         self._transitions(self.fleet.tick(self.clock()))
         plan = await self.replan()
+        if not self.may_act():
+            # Checked after the last await before the commands go out: the lease must outlive
+            # them, so a leader that cannot renew stops sending before another can have taken over.
+            log.warning("not reconciling: the leader's lease cannot be renewed in time (etcd unreachable?)")
+            return
         self._rollout_statuses(plan)
         now = self.clock()
         specs = {s.shard_id: self.start_spec(r, s) for r in plan.replicas for s in r.shards}
@@ -708,14 +731,18 @@ class ControlPlane:
 
     async def save(self) -> None:
         """Write what a restart needs (``control.state``), when it changed; fsynced before it returns."""
-        await self._saver.save(
-            self.fleet.generation,
-            self.fleet.nodes.values(),
-            self.placements,
-            self.fleet.cordons,
-            self.catalog,
-            wall_of=self.wall_of,
-        )
+        try:
+            await self._saver.save(
+                self.fleet.generation,
+                self.fleet.nodes.values(),
+                self.placements,
+                self.fleet.cordons,
+                self.catalog,
+                wall_of=self.wall_of,
+            )
+        except NotLeader:
+            self.deposed.set()
+            raise
 
     def wall_of(self, t: float) -> float:
         """Unix time of ``t`` on the plane's monotonic clock (for people and the state file only:
@@ -772,7 +799,7 @@ class ControlPlane:
             len(saved.lost),
             len(self.placements),
             len(self.fleet.cordons),
-            self.state_file,
+            self.state_where,
         )
 
     # -- the service --------------------------------------------------------------------------------
@@ -806,9 +833,94 @@ class ControlPlane:
                 self.router_port = await nursery.start(router.serve, host, port)
                 task_status.started(self)
             return
+        if self.config.state.backend == "etcd":
+            await self._run_etcd(task_status)
+            return
         self.shard_key_secret = await trio.to_thread.run_sync(load_shard_key_secret, self.config.state_dir)
         self._restore(await trio.to_thread.run_sync(self._read_saved))
         await self._load_joins()
+        await self._serve(router, task_status)
+
+    async def _run_etcd(self, task_status: trio.TaskStatus[ControlPlane]) -> None:
+        """With ``[state] backend = "etcd"``: wait to lead (``control.leader``), then start from etcd's
+        state and serve as the file backend does, every write fenced; stop (``SteppedDown``) when
+        the lease is lost or a write is refused."""
+        state = self.config.state
+        password = state.password_from(os.environ)
+        if problem := state.password_problem(os.environ):
+            raise ValueError(problem)
+        if password and state.insecure_password:
+            log.warning("[state] insecure_password = true: the etcd password crosses the network in clear")
+        etcd_config = EtcdConfig(
+            endpoints=state.endpoints,
+            ca=state.ca,
+            cert=state.cert,
+            key=state.key,
+            user=state.user or None,
+            password=password or None,
+        )
+        async with connect(etcd_config) as client, trio.open_nursery() as nursery:
+            keeper = await client.keeper(state.lease_ttl)
+            nursery.start_soon(self._keep_lease, keeper)
+            try:
+                await self._lead(client, keeper, nursery, task_status)
+            finally:
+                # Stopping (SIGTERM, or stepping down): what changed since the last pass, while the
+                # client is open; then the lease is handed back, so a standby need not wait it out.
+                with trio.CancelScope(shield=True), trio.move_on_after(10):
+                    await self._last_etcd_save(keeper)
+
+    async def _lead(
+        self,
+        client: EtcdClient,
+        keeper: LeaseKeeper,
+        nursery: trio.Nursery,
+        task_status: trio.TaskStatus[ControlPlane],
+    ) -> None:
+        """Campaign (a standby until then), then start from etcd's state and serve."""
+        from router.server import Router
+
+        state = self.config.state
+        member = f"{socket.gethostname()} {self.config.listen.agents}"
+        led = await campaign(client, state.prefix, member, keeper)
+        self.acting = True
+        store = EtcdStore(client, state.prefix, led.fence)
+        self.state_where = store.where
+        self._saver = StateSaver(store)
+        # A command is acted on within about a second; the lease must outlive that.
+        self.may_act = lambda: keeper.valid(margin=1.0)
+        secret, _ = await store.get_or_create(SHARD_KEY_SECRET_KEY, secrets.token_hex(32).encode())
+        self.shard_key_secret = secret.strip()
+        self._restore(await store.load())
+        self._joins_loaded(await JoinBook.load_etcd(store, self.config.state_dir))
+        nursery.start_soon(self._step_down_when_deposed)
+        await self._serve(Router(self.routes, self.config.router_config), task_status)
+
+    async def _last_etcd_save(self, keeper: LeaseKeeper) -> None:
+        if self.acting and not self.deposed.is_set():
+            try:
+                await self.save()
+                log.info("control plane stopped; state saved in %s", self.state_where)
+            except Exception as exc:  # etcd gone, or no longer the leader: said, not raised
+                log.warning("control plane stopped; the last save to %s failed: %s", self.state_where, exc)
+        try:
+            await keeper.revoke()
+        except EtcdError as exc:
+            log.warning("could not hand back the leader's lease (it lapses in its TTL): %s", exc)
+
+    async def _keep_lease(self, keeper: LeaseKeeper) -> None:
+        try:
+            await keeper.run()
+        except EtcdLeaseLost as exc:
+            log.error("stepping down: %s; another control plane may lead now", exc)
+            raise SteppedDown(str(exc)) from exc
+
+    async def _step_down_when_deposed(self) -> None:
+        await self.deposed.wait()
+        log.error("stepping down: a state write was refused, another control plane leads now")
+        raise SteppedDown("a fenced state write was refused")
+
+    async def _serve(self, router: Router, task_status: trio.TaskStatus[ControlPlane]) -> None:
         tls = None
         if self.config.tls is not None:
             t = self.config.tls
@@ -834,9 +946,9 @@ class ControlPlane:
     async def _load_joins(self) -> None:
         """Load (on a first start, create) the join token and node credentials, and say how agents
         join: one line naming the token's file and `ctl token`, never the token itself."""
-        from control.joins import JoinBook
+        self._joins_loaded(await trio.to_thread.run_sync(JoinBook.load, self.config.state_dir))
 
-        joins = await trio.to_thread.run_sync(JoinBook.load, self.config.state_dir)
+    def _joins_loaded(self, joins: JoinBook) -> None:
         self.agents.joins = joins
         log.info(
             "%s join token in %s (mode 0600); print it with `python -m control ctl token`, and start "

@@ -32,7 +32,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import cattrs
@@ -266,6 +266,12 @@ def write_state(path: Path, doc: Mapping[str, Any]) -> None:
     statefile.write_atomic(path, json.dumps(doc, sort_keys=True), mode=0o600)
 
 
+class StateWriter(Protocol):
+    """What ``StateSaver`` writes to (``control.statestore.StateStore`` is one)."""
+
+    async def write(self, doc: Mapping[str, Any]) -> None: ...
+
+
 class StateSaver:
     """Writes the state file when what a restart needs has changed, never on the trio thread.
 
@@ -275,8 +281,9 @@ class StateSaver:
     it every node's heartbeats, for seconds.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, target: Path | StateWriter) -> None:
+        """``target``: the state file's path, or a backend (``control.statestore``) to write to."""
+        self.target = target
         self._encoded: dict[str, tuple[schema.Register, str]] = {}
         self._saved_key: object = None
         self._saved_generation: object = None
@@ -370,7 +377,10 @@ class StateSaver:
             entries,
             {nid: (text, wall_of(item[2])) for nid, (item, text) in self._lost.items()},
         )
-        await trio.to_thread.run_sync(write_state, self.path, doc)
+        if isinstance(self.target, Path):
+            await trio.to_thread.run_sync(write_state, self.target, doc)
+        else:
+            await self.target.write(doc)
         self._saved_key = key
         self._saved_generation = stamp
         return True
@@ -381,6 +391,7 @@ __all__ = [
     "SavedState",
     "StateFileError",
     "StateSaver",
+    "StateWriter",
     "catalog_entry_doc",
     "encode_register",
     "keyless",

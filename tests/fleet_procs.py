@@ -48,6 +48,11 @@ class ControlProcess:
         self.router_port = 0
 
     def start(self) -> None:
+        self.wait_ready(self.spawn())
+
+    def spawn(self) -> int:
+        """Start the process and return where this start's lines begin in the log (for
+        ``wait_ready``): a standby control plane (etcd) announces itself only once it leads."""
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(
@@ -56,6 +61,10 @@ class ControlProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        return offset
+
+    def wait_ready(self, offset: int, timeout: float = 30) -> None:
+        """Wait for this start's "ready" line (its ports), failing if the process exits."""
 
         def ready() -> tuple[int, int] | None:
             assert self.proc is not None
@@ -72,7 +81,7 @@ class ControlProcess:
                     return int(m.group(1)), int(m.group(2))
             return None
 
-        self.agent_port, self.api_port = poll("the control plane to listen", ready, timeout=30)
+        self.agent_port, self.api_port = poll("the control plane to listen", ready, timeout=timeout)
         JOIN_TOKENS[self.agent_port] = self.state_dir() / JOIN_TOKEN_FILE
 
     def state_dir(self) -> Path:
@@ -322,8 +331,10 @@ class Fleet:
         agent_extra: Mapping[str, tuple[str, ...]] | None = None,
         scheme: str = "http",
         only: set[str] | None = None,
+        server: str = "",
     ) -> None:
-        """Start the control plane (once) and the agents of the layout (or only those named)."""
+        """Start the control plane (once) and the agents of the layout (or only those named);
+        ``server``: the agents' ``--server`` instead of this control plane's URL."""
         if self.cp.proc is None:
             self.cp.start()
         for index, (node_id, inventory, fabric, addr) in enumerate(self.layout):
@@ -334,7 +345,7 @@ class Fleet:
             agent = Agent(
                 self.tmp / "agents",
                 node_id,
-                f"{scheme}://127.0.0.1:{self.cp.agent_port}",
+                server or f"{scheme}://127.0.0.1:{self.cp.agent_port}",
                 inventory,
                 f"{fabric}:mlx5_0:1,{fabric}:mlx5_1:1",
                 addr,

@@ -239,3 +239,10 @@ def test_settings_timeout_reaches_the_stream_options() -> None:
     with pytest.raises(ConfigError) as err:
         load(BASE, {"LLMGW_AGENT_SETTINGS_TIMEOUT": "0"})
     assert "settings_timeout" in str(err.value) and "LLMGW_AGENT_SETTINGS_TIMEOUT" in str(err.value)
+
+
+def test_several_control_planes_are_tried_in_order_and_each_url_is_checked() -> None:
+    cfg = load(["--node-id", "n", "--server", "http://cp1:7070, https://cp2:7443"], {})
+    assert cfg.servers == ("http://cp1:7070", "https://cp2:7443")
+    with pytest.raises(ConfigError, match=r"server \(URL 2 of 2\) 'cp2:7443' is not a URL"):
+        load(["--node-id", "n", "--server", "http://cp1:7070,cp2:7443"], {})
