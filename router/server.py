@@ -568,8 +568,10 @@ class Router:
         except RouterError as error:
             ex.status = error.status
             raise
-        except ClientLeft:
-            if not (ex.stream and ex.facts is not None and ended_with_done(ex.facts.tail)):
+        except (ClientLeft, trio.Cancelled) as exc:
+            # As _client_left counts it: a client gone after the stream's last event was answered.
+            left = isinstance(exc, ClientLeft) or ex.client.eof
+            if left and not (ex.stream and ex.facts is not None and ended_with_done(ex.facts.tail)):
                 ex.status = 499
             raise
         finally:

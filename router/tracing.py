@@ -113,7 +113,9 @@ def finish(span: Span, ex: Exchange, ttft: float | None) -> None:
     status = ex.status
     if status:
         span.set_attribute(http_attributes.HTTP_RESPONSE_STATUS_CODE, status)
-    if status >= 500 or status == 499:
+    # A server span's error is the server's (5xx), as the HTTP conventions say; a client that
+    # left (499) is its status code alone.
+    if status >= 500:
         span.set_attribute(error_attributes.ERROR_TYPE, str(status))
         span.set_status(StatusCode.ERROR)
     facts = ex.facts

@@ -45,6 +45,8 @@ class Span:
     events: list[tuple[str, dict[str, Any]]]
     start_ns: int
     end_ns: int
+    #: The span's status code (``Status.StatusCode``: 0 unset, 1 ok, 2 error).
+    status: int = 0
 
 
 class Receiver:
@@ -107,6 +109,7 @@ class Receiver:
                             ],
                             start_ns=s.start_time_unix_nano,
                             end_ns=s.end_time_unix_nano,
+                            status=s.status.code,
                         )
                     )
         with self._lock:

@@ -24,6 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
+from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.semconv.attributes import http_attributes
 from opentelemetry.trace import use_span
@@ -208,6 +209,30 @@ def test_a_failed_attempt_and_the_retry_are_events(
         assert span.attributes[router_tracing.ROUTE_ATTEMPTS] == 2
         assert span.attributes[router_tracing.ROUTE_REPLICA] == f"{MODEL}-r1"
         assert span.attributes[router_tracing.ROUTE_CANDIDATES] == [f"{MODEL}-r1"]
+    finally:
+        router.stop()
+
+
+def test_a_client_that_leaves_mid_stream_is_a_499_not_an_error(
+    engine: Engine, collector: Receiver, tmp_path: Path
+) -> None:
+    router = RouterProc(
+        tmp_path, ["--static", f"{MODEL}={engine.url}", "--otlp-endpoint", collector.url], FAST_EXPORT
+    )
+    try:
+        header, trace_id, _ = traceparent()
+        stream = client(router.base, header).chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=400, stream=True
+        )
+        for n, _chunk in enumerate(stream):
+            if n == 2:
+                break
+        stream.close()  # the client hangs up with most of the stream still to come
+        (span,) = collector.find("the router's span", in_trace(trace_id, f"chat {MODEL}"))
+        assert span.attributes[http_attributes.HTTP_RESPONSE_STATUS_CODE] == 499
+        assert span.status != ProtoStatus.STATUS_CODE_ERROR and "error.type" not in span.attributes
+        (engine_span,) = collector.find("the engine's span", in_trace(trace_id, "llm_request"))
+        assert 2 <= engine_span.attributes[gen_ai.GEN_AI_USAGE_COMPLETION_TOKENS] < 400
     finally:
         router.stop()
 
