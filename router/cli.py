@@ -22,13 +22,20 @@ import trio
 from router.config import ConfigError, RouterConfig, load
 from router.routes import ModelRoutes, RoutesFn, static_routes
 from router.server import Router
+from telemetry import tracing as otel
 from telemetry.logs import announce, setup_logging
+from telemetry.tracing import Tracing, TracingSettingsError
 from telemetry.version import version
 
 log = logging.getLogger("llmgw.router")
 
 
-async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+async def run(
+    config: RouterConfig,
+    *,
+    tracing: Tracing | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve with ``config`` until SIGTERM or SIGINT (or until cancelled); reports the bound port.
     With ``control`` the route watch runs in this nursery beside the server and the router reads
     its table per request.
@@ -54,7 +61,7 @@ async def run(config: RouterConfig, *, task_status: trio.TaskStatus[int] = trio.
                 return "" if watched.tables else f"no route table from the control plane at {where} yet"
         else:
             routes = static_routes(config.static_routes())
-        router = Router(routes, config, pending=pending)
+        router = Router(routes, config, pending=pending, tracing=tracing)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             port = await nursery.start(
                 lambda task_status: router.serve(
@@ -106,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Made once here so that what the router refuses (the relay pump asked for by
         # LLMGW_RELAY) is a start-up line too, not a traceback inside the event loop.
         Router(static_table({}), config)
-    except ConfigError as exc:
+        # The SDK's worker thread starts here, outside the event loop, and is stopped after it.
+        tracing = otel.start(config.otlp_endpoint, "llmgw-router")
+    except (ConfigError, TracingSettingsError) as exc:
         print(f"llmgw-router: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, ValueError) as exc:
@@ -117,11 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed: list[OSError] = []
     try:
         try:
-            trio.run(run, config)
+            trio.run(lambda: run(config, tracing=tracing))
         except* OSError as group:  # from inside the nursery: the port in use, a foreign address
             failed.extend(_leaves(group))
     except KeyboardInterrupt:
         pass
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # sends what is queued, within a bound; the loop has ended
     for error in failed[:1]:
         if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             print(

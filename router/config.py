@@ -34,6 +34,7 @@ from router.routes import parse_url
 from router.stalls import DEFAULT_RESPONSE_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
 from settings import ConfigError, FieldProblem
 from telemetry.logs import LOG_FORMAT_ENV, LOG_FORMATS, LOG_LEVEL_ENV, LOG_LEVELS, LogSettings
+from telemetry.tracing import ENDPOINT_ENV, endpoint_problem
 from telemetry.version import version
 
 ENV_PREFIX = "LLMGW_ROUTER_"
@@ -120,6 +121,12 @@ def _static_entries(_: object, attribute: attrs.Attribute[tuple[str, ...]], valu
             raise FieldProblem(attribute.name, str(exc)) from None
 
 
+def _otlp_endpoint(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    problem = endpoint_problem(value)
+    if problem:
+        raise FieldProblem(attribute.name, problem)
+
+
 def _control_url(_: object, attribute: attrs.Attribute[str], value: str) -> None:
     if not value:
         return
@@ -180,6 +187,9 @@ class RouterConfig:
         default="text", converter=_lower, validator=_one_of(LOG_FORMATS, "log format")
     )
     log_level: str = attrs.field(default="info", converter=_lower, validator=_one_of(LOG_LEVELS, "log level"))
+    #: Traces go to this OTLP/HTTP collector (``telemetry.tracing``); none: the standard
+    #: ``OTEL_EXPORTER_OTLP_*`` variables decide, and without them tracing is off.
+    otlp_endpoint: str = attrs.field(default="", validator=_otlp_endpoint)
 
     def __attrs_post_init__(self) -> None:
         if self.eject_base > self.eject_max:
@@ -246,6 +256,8 @@ FIELD_HELP: dict[str, str] = {
     "responses in progress to end before cutting them",
     "log_format": f"log line format: text for people, json for one object per line (also {LOG_FORMAT_ENV}, "
     "shared by every llmgw process, below this one)",
+    "otlp_endpoint": "send traces to this OpenTelemetry collector's OTLP/HTTP endpoint, e.g. "
+    f"http://127.0.0.1:4318 (also {ENDPOINT_ENV} and the other OTEL_* variables); none: no tracing",
     "log_level": f"lowest level logged: {', '.join(LOG_LEVELS)} (also {LOG_LEVEL_ENV}, shared by every "
     "llmgw process, below this one)",
 }
@@ -272,6 +284,7 @@ _METAVARS = {
     "relay_coalesce_us": "US",
     "log_format": "|".join(LOG_FORMATS),
     "log_level": "LEVEL",
+    "otlp_endpoint": "URL",
 }
 
 

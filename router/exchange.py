@@ -12,6 +12,8 @@ import attrs
 from router.http1 import ClientConn, Request
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from router.relay import StreamFacts
 
 
@@ -66,6 +68,11 @@ class Exchange:
     #: While the client's body is chunked: whether what it got so far ends with a whole chunk,
     #: so that an error event and the last chunk can still be appended (see ``Router._timed_out``).
     at_chunk_end: Callable[[], bool] | None = None
+
+    #: The request's trace span while the router traces (``router.tracing``); None when off.
+    span: Span | None = None
+    #: The router's ``traceparent`` header lines for the engine (b"": the client's go through).
+    trace_context: bytes = b""
 
     @property
     def fd(self) -> int:

@@ -42,6 +42,7 @@ import re
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
+from typing import TypeGuard
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -86,9 +87,9 @@ def ended_with_done(tail: bytes) -> bool:
     return _DONE_AT_END.search(tail) is not None
 
 
-def usage_of(tail: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, completion_tokens) from the last ``usage`` object in ``tail`` (a body's
-    last bytes), or None when there is none or it does not parse."""
+def usage_object(tail: bytes) -> dict[str, object] | None:
+    """The last ``usage`` object in ``tail`` (a body's last bytes), parsed, or None when there
+    is none or it does not parse (the metrics read two counts of it, a trace span three)."""
     last = None
     for last in _USAGE.finditer(tail):  # noqa: B007 -- the last match is the one wanted
         pass
@@ -98,10 +99,24 @@ def usage_of(tail: bytes) -> tuple[int, int] | None:
         doc = json.loads(last[1])
     except ValueError:
         return None
+    return doc if isinstance(doc, dict) else None
+
+
+def usage_of(tail: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) from the last ``usage`` object in ``tail`` (a body's
+    last bytes), or None when there is none or it does not parse."""
+    doc = usage_object(tail)
+    if doc is None:
+        return None
     prompt, completion = doc.get("prompt_tokens"), doc.get("completion_tokens")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (prompt, completion)):
+    if not (is_token_count(prompt) and is_token_count(completion)):
         return None
     return prompt, completion
+
+
+def is_token_count(value: object) -> TypeGuard[int]:
+    """A token count: a non-negative int (JSON's true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class _Histogram:

@@ -35,7 +35,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import trio
+from opentelemetry.trace import Tracer, use_span
 
+from router import tracing as traced
 from router.config import RouterConfig
 from router.exchange import ClientLeft, Exchange, RouterError
 from router.framing import ResponseHead, UpstreamBroken, UpstreamError
@@ -60,6 +62,7 @@ from router.retry import AllFailed, Ejection, forward
 from router.routes import ModelRoutes, RoutesFn, Upstream
 from router.stalls import Watch, stall, tcp_progress, unread, writable
 from router.upstream import UpstreamConn, classify, request_bytes
+from telemetry.tracing import Tracing
 from telemetry.version import version
 
 log = logging.getLogger("llmgw.router")
@@ -97,6 +100,7 @@ class Router:
         *,
         clock: Callable[[], float] = trio.current_time,
         pending: Callable[[], str] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.routes = routes
         self.config = config
@@ -127,6 +131,11 @@ class Router:
             connect_timeout=config.connect_timeout,
         )
         self.metrics = Metrics(version())
+        #: The process's tracer (``telemetry.tracing``), or None: tracing off, and no span, no
+        #: tracer call, nothing but this check on a request's path.
+        self.tracer: Tracer | None = tracing.tracer if tracing is not None else None
+        if tracing is not None:
+            self.metrics.process.register(tracing.collector())
         self.pump = make_pump(coalesce_us=config.relay_coalesce_us)
         self.relay = Relay(self.pump, self.metrics, self.ejection, clock)
         self.created = int(time.time())
@@ -378,7 +387,10 @@ class Router:
                 await self._send(ex, 200, self._models_body())
                 ex.status = 200
                 return
-            await self._proxy(ex)
+            if self.tracer is None:
+                await self._proxy(ex)
+            else:
+                await self._traced(ex, self.tracer, path)
         except RouterError as error:
             ex.status = error.status
             self.metrics.request(ex.model or "", error.status)
@@ -509,6 +521,8 @@ class Router:
         ex.stream = doc.get("stream") is True
         options = doc.get("stream_options")
         ex.want_usage = not ex.stream or (isinstance(options, dict) and options.get("include_usage") is True)
+        if ex.span is not None:
+            traced.requested(ex.span, ex.request.target.split(b"?", 1)[0], model, ex.stream)
         if not routes.upstreams:
             why = routes.reason or "no replica is ready"
             raise RouterError(
@@ -543,6 +557,30 @@ class Router:
                 self.metrics.body_ended(model, ex.facts, since, count_usage=ex.want_usage)
         self.metrics.request(model, ex.status)
 
+    async def _traced(self, ex: Exchange, tracer: Tracer, path: bytes) -> None:
+        """``_proxy`` inside the request's span (``router.tracing``): the span is current while the
+        request is answered (log lines carry its ids), and ends with what the answer told."""
+        span, ex.trace_context = traced.start(tracer, ex.request, path)
+        ex.span = span
+        try:
+            with use_span(span, record_exception=False, set_status_on_exception=False):
+                await self._proxy(ex)
+        except RouterError as error:
+            ex.status = error.status
+            raise
+        except (ClientLeft, trio.Cancelled) as exc:
+            # As _client_left counts it: a client gone after the stream's last event was answered.
+            left = isinstance(exc, ClientLeft) or ex.client.eof
+            if left and not (ex.stream and ex.facts is not None and ended_with_done(ex.facts.tail)):
+                ex.status = 499
+            raise
+        finally:
+            ttft = None
+            facts = ex.facts
+            if ex.stream and facts is not None and facts.events:
+                ttft = max(0.0, facts.first_at - monotonic_of(self.clock(), ex.started))
+            traced.finish(span, ex, ttft)
+
     def _client_left(self, ex: Exchange) -> None:
         """Count a request whose client hung up before its response's end: a 499 and a
         disconnect, unless the stream's last event (``data: [DONE]``) had gone out, after which
@@ -562,6 +600,8 @@ class Router:
             if not candidates:
                 return None
             choice = self.policy.choose(request, candidates)
+            if ex.span is not None:
+                traced.chose(ex.span, choice, candidates, len(tried) + 1)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "router: model %s to %s: %s", ex.model, choice.upstream.replica_id, choice.explain()
@@ -572,7 +612,10 @@ class Router:
             self.metrics.retries[ex.model] = self.metrics.retries.get(ex.model, 0) + 1
 
         async def attempt(upstream: Upstream, last: bool) -> str | None:
-            return await self._attempt(ex, upstream, last=last)
+            error = await self._attempt(ex, upstream, last=last)
+            if error is not None and ex.span is not None:
+                traced.failed(ex.span, upstream.replica_id, upstream.url, error)
+            return error
 
         try:
             await forward(routes.upstreams, self.max_attempts, pick, attempt, retried)
@@ -613,7 +656,11 @@ class Router:
             except ValueError as exc:
                 return self._failed(upstream, UpstreamError("connect", str(exc)))
             request = request_bytes(
-                ex.request, target, upstream.api_key, pass_authorization=not self.api_keys
+                ex.request,
+                target,
+                upstream.api_key,
+                pass_authorization=not self.api_keys,
+                trace_context=ex.trace_context,
             )
             # The native pump relays the usual streamed response from its head on (see
             # Relay.respond_whole); the timeouts apply to it from outside (the stall watch).

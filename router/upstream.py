@@ -17,16 +17,28 @@ from router.relay import EngineFailedEarly
 from router.routes import EngineAddress
 
 #: Request headers passed to the engine; the rest (the client's SDK telemetry, cookies) is noise there.
-FORWARDED_REQUEST_HEADERS = frozenset({b"content-type", b"accept", b"x-request-id", b"user-agent"})
+#: The W3C trace context goes through as it came while the router traces nothing itself, so an
+#: engine that traces (vLLM's --otlp-traces-endpoint) still joins the client's trace.
+FORWARDED_REQUEST_HEADERS = frozenset(
+    {b"content-type", b"accept", b"x-request-id", b"user-agent", b"traceparent", b"tracestate"}
+)
+_TRACE_CONTEXT = (b"traceparent", b"tracestate")
 
 
 def request_bytes(
-    request: Request, target: EngineAddress, api_key: str = "", *, pass_authorization: bool
+    request: Request,
+    target: EngineAddress,
+    api_key: str = "",
+    *,
+    pass_authorization: bool,
+    trace_context: bytes = b"",
 ) -> bytes:
     """The request head and body for the engine. An engine with a key of its own (``api_key``)
     gets that key and never the client's (the client's is for the router's ``api_keys``); one
     without gets the client's ``Authorization`` only with ``pass_authorization`` (a router that
-    checks no key itself, in front of a static endpoint that wants the client's own credentials)."""
+    checks no key itself, in front of a static endpoint that wants the client's own credentials).
+    ``trace_context``: the router's own ``traceparent`` (and ``tracestate``) header lines, each
+    beginning with CRLF (``router.tracing.start``), sent instead of the client's."""
     body = request.body
     lines = [
         request.method,
@@ -44,7 +56,11 @@ def request_bytes(
         if name in FORWARDED_REQUEST_HEADERS or (
             name == b"authorization" and pass_authorization and not api_key
         ):
+            if trace_context and name in _TRACE_CONTEXT:
+                continue
             lines += (b"\r\n", name, b": ", value)
+    if trace_context:
+        lines.append(trace_context)
     lines.append(b"\r\n\r\n")
     lines.append(body)
     return b"".join(lines)

@@ -1,9 +1,10 @@
-"""What every llmgw process shares for being operated: log setup and Prometheus helpers.
+"""What every llmgw process shares for being operated: log setup, Prometheus helpers, traces.
 
 The agent, the control plane and the router each take ``--log-format text|json`` and
 ``--log-level`` the same way (:mod:`telemetry.logs`) and expose metrics through ``prometheus_client``
 the same way (:mod:`telemetry.metrics`), so an operator's log shipper and scrape config work for all
-three. This package imports nothing of llmgw's: any room may use it.
+three; traces go to an OpenTelemetry collector (:mod:`telemetry.tracing`, imported by the processes
+that trace, not from here). This package imports nothing of llmgw's: any room may use it.
 """
 
 from telemetry.logs import (

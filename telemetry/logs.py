@@ -3,8 +3,10 @@
 Flags win over the environment (``LLMGW_LOG_FORMAT``, ``LLMGW_LOG_LEVEL``, shared by all three
 processes so one unit file or container setting covers them), which wins over the defaults (text,
 info). ``json`` writes one object per line, for log shippers that index fields rather than parse
-prose: ``time`` (RFC 3339, UTC, milliseconds), ``level``, ``logger``, ``message``, ``exception`` (the
-traceback text, when there is one) and every ``extra=`` field the call passed. Escaping is
+prose: ``time`` (RFC 3339, UTC, milliseconds), ``level``, ``logger``, ``message``, ``trace_id`` and
+``span_id`` (hex, as trace viewers show them, when the line was logged inside a trace span:
+``telemetry.tracing``), ``exception`` (the traceback text, when there is one) and every
+``extra=`` field the call passed. Escaping is
 ``json.dumps``'s, so a peer-supplied string holding a newline or a quote cannot forge a second
 record or break the line.
 
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, TextIO, cast
 
 import attrs
+from opentelemetry.trace import get_current_span
 
 LOG_FORMAT_ENV = "LLMGW_LOG_FORMAT"
 LOG_LEVEL_ENV = "LLMGW_LOG_LEVEL"
@@ -108,6 +111,13 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        # Inside a trace span (telemetry.tracing: a request the router traces), the ids a trace
+        # viewer finds the span by; the record is formatted on the thread, and so in the context,
+        # that logged it.
+        span = get_current_span().get_span_context()
+        if span.is_valid:
+            doc["trace_id"] = format(span.trace_id, "032x")
+            doc["span_id"] = format(span.span_id, "016x")
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:

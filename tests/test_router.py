@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -62,11 +62,17 @@ class Engine:
 
 
 def start_engine(
-    tmp: Path, name: str, env: Mapping[str, str] | None = None, *, ready: bool = True, port: int = 0
+    tmp: Path,
+    name: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    ready: bool = True,
+    port: int = 0,
+    extra: Sequence[str] = (),
 ) -> Engine:
     log = tmp / f"{name}.log"
     argv = [sys.executable, "-m", "agent.engines.sim", "serve", "org/sim", "--served-model-name", MODEL]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *extra]
     full_env = {
         **os.environ,
         "LLMGW_SIM_LOAD_SECONDS": "0",

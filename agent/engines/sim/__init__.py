@@ -19,7 +19,9 @@ on ``[serve] MODEL`` or ``--model MODEL``, ``--served-model-name NAME [NAME...]`
 HTTP server, like vLLM's), ``--shutdown-timeout`` (drain window on SIGTERM, vLLM's semantics: 0
 aborts in-flight requests) and ``--api-key KEY [KEY...]`` (or ``VLLM_API_KEY``: every ``/v1`` path
 needs ``Authorization: Bearer KEY``, else 401 ``{"error": "Unauthorized"}``; ``/health`` and
-``/metrics`` stay open, as in vLLM). Other vLLM options are accepted and named on stderr.
+``/metrics`` stay open, as in vLLM), and ``--otlp-traces-endpoint URL`` (vLLM's ``llm_request``
+span per request, continuing its ``traceparent``, over OTLP/HTTP: ``sim.tracing``). Other vLLM
+options are accepted and named on stderr.
 
 Knobs, as ``--sim-*`` flags or ``LLMGW_SIM_*`` variables (a flag wins):
 

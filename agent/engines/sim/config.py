@@ -106,6 +106,8 @@ class SimConfig:
     context_ms_per_token: float = 0.00004
     #: Every modelled duration (step times, the frontend's TTFT share) is multiplied by this.
     time_scale: float = 1.0
+    #: vLLM's --otlp-traces-endpoint: each request's span goes there (``sim.tracing``); none: off.
+    otlp_traces_endpoint: str = ""
 
     @property
     def served_model_name(self) -> str:
@@ -169,6 +171,7 @@ SIMULATED = frozenset(
         "enable_prefix_caching",
         "prefix_caching_hash_algo",
         "kv_events_config",
+        "otlp_traces_endpoint",
     }
 )
 
@@ -381,6 +384,7 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str]) -> SimCo
         shutdown_timeout=float(ns.shutdown_timeout or 0),
         api_keys=tuple(_api_keys(ns.api_key, environ)),
         vllm_version=fs.version,
+        otlp_traces_endpoint=getattr(ns, "otlp_traces_endpoint", None) or "",
         load_seconds=_knob(ns.sim_load_seconds, environ, "LLMGW_SIM_LOAD_SECONDS", 1.0, float),
         ttft_ms=_knob(ns.sim_ttft_ms, environ, "LLMGW_SIM_TTFT_MS", 40.0, float),
         itl_ms=_knob(ns.sim_itl_ms, environ, "LLMGW_SIM_ITL_MS", 7.0, float),

@@ -38,6 +38,8 @@ from agent.engines.sim import generate
 from agent.engines.sim.config import SimConfig
 from agent.engines.sim.engine import EngineLoop, Ticket
 from agent.engines.sim.scheduler import Request
+from agent.engines.sim.tracing import EngineTracing
+from telemetry.tracing import TracingSettingsError
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RECEIVE_SIZE = 65536
@@ -135,6 +137,8 @@ class SimServer:
         self._idle = trio.Event()
         self._idle.set()
         self.engine = EngineLoop(config, log, os.environ if environ is None else environ)
+        #: vLLM's request spans (--otlp-traces-endpoint); None: not traced.
+        self.tracing: EngineTracing | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -357,12 +361,20 @@ class SimServer:
             doc = generate.models_list(c.served_model_names, c.model, self.started, c.max_model_len)
             await self._send_json(conn, stream, 200, doc)
             return 200
-        return await self._complete(conn, stream, path, body)
+        return await self._complete(conn, stream, path, body, headers)
 
     # -- completions ---------------------------------------------------------------------------
 
-    async def _complete(self, conn: h11.Connection, stream: trio.SocketStream, path: str, raw: bytes) -> int:
+    async def _complete(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        path: str,
+        raw: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> int:
         chat = path == "/v1/chat/completions"
+        arrival = time.time()
         self.stats.requests_total[path] = self.stats.requests_total.get(path, 0) + 1
         try:
             body = json.loads(raw)
@@ -412,6 +424,7 @@ class SimServer:
 
         self.stats.prompt_tokens += plan.prompt_tokens
         progress = _Progress()
+        span = self.tracing.begin(headers, arrival) if self.tracing is not None else None
         generation = trio.CancelScope()
         watcher = _Watcher(generation)
         request = Request(shape.request_id, prompt.ids, plan.token_ids)
@@ -436,6 +449,9 @@ class SimServer:
                             events = shape.stream(plan, include_usage)
                             await self._stream(conn, stream, events, progress, ticket)
                         else:
+                            # The first token's time for the span, then the rest.
+                            await self._wait_tokens(ticket, min(1, plan.completion_tokens))
+                            progress.first_token = time.time()
                             await self._wait_tokens(ticket, plan.completion_tokens)
                             doc = json.dumps(shape.full_response(plan)).encode()
                             self.stats.tokens_generated += plan.completion_tokens
@@ -448,6 +464,17 @@ class SimServer:
             if ticket is not None:
                 self.engine.release(ticket)
             self._end()
+            if span is not None and self.tracing is not None:
+                self.tracing.end(
+                    span,
+                    model=shape.model,
+                    request_id=shape.request_id,
+                    body=body,
+                    prompt_tokens=plan.prompt_tokens,
+                    completion_tokens=plan.completion_tokens if progress.completed else progress.tokens,
+                    arrival=arrival,
+                    first_token=progress.first_token,
+                )
         if watcher.gone and not progress.completed:
             self.stats.cancelled += 1
             raise ClientGone()
@@ -489,6 +516,9 @@ class SimServer:
             await _write(stream, _out(conn, h11.Data(data=event)))
             if is_token:
                 self.stats.tokens_generated += 1
+                progress.tokens += 1
+                if not progress.first_token:
+                    progress.first_token = time.time()
         progress.completed = True
         await stream.send_all(_out(conn, h11.EndOfMessage()))
 
@@ -507,9 +537,12 @@ class SimServer:
 
 @attrs.define
 class _Progress:
-    """Whether a response's last event has gone out."""
+    """Whether a response's last event has gone out; the tokens sent and when the first went
+    (``time.time()``), for the request's trace span."""
 
     completed: bool = False
+    tokens: int = 0
+    first_token: float = 0.0
 
 
 class _Watcher:
@@ -546,6 +579,22 @@ async def run(config: SimConfig, out: TextIO = sys.stdout) -> int:
             file=sys.stderr,
             flush=True,
         )
+    tracing: EngineTracing | None = None
+    if config.otlp_traces_endpoint:
+        try:
+            tracing = EngineTracing(config.otlp_traces_endpoint, os.environ)
+        except TracingSettingsError as exc:
+            print(f"ValueError: {exc}", file=sys.stderr, flush=True)
+            return 1
+        log(f"tracing requests to {config.otlp_traces_endpoint}")
+    try:
+        return await _serve(config, log, tracing)
+    finally:
+        if tracing is not None:
+            await trio.to_thread.run_sync(tracing.shutdown)
+
+
+async def _serve(config: SimConfig, log: Log, tracing: EngineTracing | None) -> int:
     stop_signals = [signal.SIGTERM, signal.SIGINT]
     if "sigterm" in config.hang:
         # Deliberately unkillable by SIGTERM: tests the supervisor's SIGKILL escalation.
@@ -557,6 +606,7 @@ async def run(config: SimConfig, out: TextIO = sys.stdout) -> int:
     except OSError as exc:  # the KV events endpoints could not be opened
         log(str(exc))
         return 1
+    server.tracing = tracing
     outcome: list[int] = []
     with trio.open_signal_receiver(*stop_signals) as signals:
         async with trio.open_nursery() as nursery:
