@@ -4,18 +4,21 @@ parsers of the text a flag or an environment variable gives.
 The converter is strict (``replicas = "3"`` in a file is refused, not read as 3: a file has types,
 and a quoted number is a mistake worth naming) except where a process asks for ``text=True``: the
 agent structures its flags' and variables' text with it, so numbers may be written as text there.
-A list must be a list: a string is never taken as the list of its characters."""
+A list must be a list: a string is never taken as the list of its characters, and a table
+(an attrs class) must be a table."""
 
 from __future__ import annotations
 
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import cattrs
 from cattrs.cols import homogenous_tuple_structure_factory, list_structure_factory
+from cattrs.gen import make_dict_structure_fn
 
 #: The words ``true``/``false`` and their usual spellings, as flags and variables write them.
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -68,6 +71,20 @@ def converter(*, text: bool = False) -> cattrs.Converter:
         return hook
 
     conv.register_structure_hook_factory(is_list, list_factory)
+
+    def table_factory(type_: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
+        # cattrs' own hook would index a number and report "expected <ClassName>", a name from
+        # the code rather than from the file.
+        inner = make_dict_structure_fn(type_, conv)
+
+        def hook(value: Any, t: Any) -> Any:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"expected a table, got {value!r}")
+            return inner(value, t)
+
+        return hook
+
+    conv.register_structure_hook_factory(attrs.has, table_factory)
     return conv
 
 

@@ -107,9 +107,9 @@ def test_static_errors_name_file_key_and_expectation(tmp_path: Path) -> None:
     text = text.replace("nvlink_peers = [0]", 'nvlink_peers = [0, "two"]')
     error = static_error(tmp_path, text)
     assert error.problems == (
-        "gpus[1].nvlink_peers[1]: expected an integer, got a string ('two')",
-        'gpus[2].compute_capability: expected a string "major.minor" such as "9.0", got a float (8.9)',
-        "gpus[2].memory_total_mib: expected an integer, got a string ('45 GiB')",
+        "gpus[1].nvlink_peers[1]: expected an integer, got 'two' (line 20)",
+        'gpus[2].compute_capability: expected a string "major.minor" such as "9.0", got 8.9 (line 26)',
+        "gpus[2].memory_total_mib: expected an integer, got '45 GiB' (line 27)",
     )
     assert "gpus[2].memory_total_mib: expected an integer" in str(error)
 
@@ -117,29 +117,29 @@ def test_static_errors_name_file_key_and_expectation(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
-        ("", "gpus: required key missing"),
-        ("gpus = 8\n", "gpus: expected an array, got an integer (8)"),
-        ("gpus = [8]\n", "gpus[0]: expected a table, got an integer (8)"),
-        ("gpus = []\ngpu = []\n", "(top level): unknown key(s): gpu"),
-        ("gpus = []\ndriver_version = 550\n", "driver_version: expected a string, got an integer (550)"),
-        ("gpus = []\ncpu_count = true\n", "cpu_count: expected an integer, got a boolean (True)"),
+        ("", "gpus: required field missing"),
+        ("gpus = 8\n", "gpus: expected a list, got 8 (line 1)"),
+        ("gpus = [8]\n", "gpus[0]: expected a table, got 8 (line 1)"),
+        ("gpus = []\ngpu = []\n", "gpu: unknown key (line 2)"),
+        ("gpus = []\ndriver_version = 550\n", "driver_version: expected a string, got 550 (line 2)"),
+        ("gpus = []\ncpu_count = true\n", "cpu_count: expected an integer, got True (line 2)"),
         (
             '[[gpus]]\nindex = 0\nuuid = "GPU-a"\ncompute_capability = "9.0"\nmemory_total_mib = 1\n',
-            "gpus[0].name: required key missing",
+            "gpus[0].name: required field missing (line 1)",
         ),
         (
             '[[gpus]]\nindex = 0\nuuid = "GPU-a"\nname = "x"\ncompute_capability = "9.0"\n'
             "memory_total_gib = 80\nmemory_total_mib = 1\n",
-            "gpus[0]: unknown key(s): memory_total_gib",
+            "gpus[0].memory_total_gib: unknown key (line 6)",
         ),
         (
             '[[gpus]]\nindex = 0\nuuid = "GPU-a"\nname = "x"\ncompute_capability = "sm90"\nmemory_total_mib = 1\n',
-            'gpus[0].compute_capability: expected a string "major.minor" such as "9.0", got a string (\'sm90\')',
+            'gpus[0].compute_capability: expected a string "major.minor" such as "9.0", got \'sm90\' (line 5)',
         ),
         (
             '[[gpus]]\nindex = 0\nuuid = "GPU-a"\nname = "x"\ncompute_capability = "9.0"\nmemory_total_mib = 1\n'
             'nvlink_peers = "1,2"\n',
-            "gpus[0].nvlink_peers: expected an array, got a string ('1,2')",
+            "gpus[0].nvlink_peers: expected a list, got '1,2' (line 7)",
         ),
     ],
 )
@@ -155,13 +155,13 @@ def test_static_consistency_errors(tmp_path: Path) -> None:
         .replace("memory_total_mib = 46068", "memory_total_mib = -1")
     )
     assert static_error(tmp_path, text).problems == (
-        "gpus[0].index: GPU index 0 is listed more than once",
-        "gpus[0].nvlink_peers: GPU 0 cannot be its own peer",
-        "gpus[0].nvlink_peers: no GPU has index 7",
-        "gpus[1].index: GPU index 0 is listed more than once",
-        "gpus[1].nvlink_peers: GPU 0 cannot be its own peer",
-        "gpus[2].uuid: expected a non-empty string",
-        "gpus[2].memory_total_mib: expected a non-negative integer, got -1",
+        "gpus[0].index: GPU index 0 is listed more than once (line 6)",
+        "gpus[0].nvlink_peers: GPU 0 cannot be its own peer (line 12)",
+        "gpus[0].nvlink_peers: no GPU has index 7 (line 12)",
+        "gpus[1].index: GPU index 0 is listed more than once (line 15)",
+        "gpus[1].nvlink_peers: GPU 0 cannot be its own peer (line 20)",
+        "gpus[2].uuid: expected a non-empty string (line 24)",
+        "gpus[2].memory_total_mib: expected a non-negative integer, got -1 (line 27)",
     )
 
 
