@@ -36,7 +36,10 @@ from agent.supervise import procfs
 
 MODEL = "llama-3.1-8b-instruct"
 
-CATALOG = """
+#: The control plane's settings and one model of two replicas, a ``str.format`` template (state,
+#: agents, api, router, model and, for llama.cpp, gguf); ``{placement}`` is where each engine's
+#: catalog differs (the GPUs a replica needs and its profile), filled in by :func:`_catalog`.
+_CATALOG = """
 state_dir = "{state}"
 reconcile_interval = 0.5
 [listen]
@@ -53,7 +56,17 @@ lost_after = 60
 name = "{model}"
 replicas = 2
 ready_timeout = 120
-[models.gpus]
+{placement}"""
+
+
+def _catalog(placement: str) -> str:
+    """The demo's catalog template with one engine's GPUs and profile in it (still a template)."""
+    return _CATALOG.replace("{placement}", placement)
+
+
+#: The simulated catalog: two replicas of a vLLM model, two GPUs each.
+CATALOG = _catalog(
+    """[models.gpus]
 count = 2
 min_memory_gib = 40
 [models.profile]
@@ -64,6 +77,7 @@ dtype = "bfloat16"
 max_model_len = 8192
 env = {{ LLMGW_SIM_LOAD_SECONDS = "3", LLMGW_SIM_TTFT_MS = "40", LLMGW_SIM_ITL_MS = "25" }}
 """
+)
 
 
 def inventory(name: str, count: int, memory_mib: int, cc: str) -> str:
@@ -98,24 +112,8 @@ NODES = [
 TINY_MODEL = "tiny-llama"
 
 #: The real-engine catalog: one CPU-only replica per node, llama-server loading the tiny GGUF.
-LLAMACPP_CATALOG = """
-state_dir = "{state}"
-reconcile_interval = 0.5
-[listen]
-agents = "127.0.0.1:{agents}"
-api = "127.0.0.1:{api}"
-router = "127.0.0.1:{router}"
-[engines]
-ports = "21000-21999"
-[liveness]
-unreachable_after = 6
-lost_after = 60
-
-[[models]]
-name = "{model}"
-replicas = 2
-ready_timeout = 120
-[models.gpus]
+LLAMACPP_CATALOG = _catalog(
+    """[models.gpus]
 count = 0
 [models.profile]
 engine = "llamacpp"
@@ -123,6 +121,7 @@ model = "{gguf}"
 max_model_len = 512
 extra_args = ["--threads", "1"]
 """
+)
 
 CPU_ONLY = "# A node without GPUs: llama.cpp runs on its CPU.\ngpus = []\n"
 
