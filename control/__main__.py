@@ -321,8 +321,6 @@ def _api_tls_problem(config: ControlConfig, text: str, source: str) -> str:
     """Why ``[api.tls]``'s certificate, key or client CA cannot be loaded; "" when they can (or
     there is no ``[api.tls]``). Found before serving, as one line, rather than as a traceback from
     inside the admin API's start."""
-    from transport import ServerTLS
-
     tls = config.api.tls
     if tls is None:
         return ""
@@ -337,7 +335,7 @@ def _api_tls_problem(config: ControlConfig, text: str, source: str) -> str:
                 f"({_where(text, source, ('api', 'tls', key), False)})"
             )
     try:
-        ServerTLS(tls.cert, tls.key, tls.client_ca, tls.require_client_cert).context()
+        tls.context()
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         named = f" {exc.filename}" if isinstance(exc, OSError) and exc.filename else ""

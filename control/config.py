@@ -96,6 +96,7 @@ import settings
 from control.placement import engine_constraint
 from router.config import RouterConfig
 from settings import ConfigError, FieldProblem, KeyPath, dotted, line_of
+from transport.tls import ServerTLS
 
 __all__ = [
     "ConfigError",
@@ -281,14 +282,6 @@ def _same_socket(a: str, b: str) -> bool:
     return False
 
 
-@attrs.frozen
-class TLSConfig:
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
-    require_client_cert: bool = False
-
-
 #: The shortest admin API token accepted: 16 characters (``openssl rand -hex 16`` gives 32), so a
 #: token cannot be guessed by trying, which the API does not rate-limit.
 MIN_TOKEN_CHARS = 16
@@ -314,15 +307,6 @@ def _host_names(_: object, attribute: attrs.Attribute[tuple[str, ...]], value: t
             )
 
 
-def _optional_secret(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if value and (len(value) < MIN_TOKEN_CHARS or value != value.strip()):
-        raise FieldProblem(
-            attribute.name,
-            f"{attribute.name} must be empty or at least {MIN_TOKEN_CHARS} characters without blanks "
-            f"around them (got {len(value)}); make one with `openssl rand -hex 16`",
-        )
-
-
 @attrs.frozen
 class AdminApi:
     """Who may use the admin API (``[api]``): bearer tokens in two roles, the Host names it answers
@@ -336,7 +320,7 @@ class AdminApi:
     #: Host header names the API answers to besides its listen address, localhost and IP literals
     #: (a name not listed is refused: that is what stops DNS rebinding).
     hosts: tuple[str, ...] = attrs.field(default=(), validator=_host_names)
-    tls: TLSConfig | None = None
+    tls: ServerTLS | None = None
 
     def __attrs_post_init__(self) -> None:
         both = sorted(set(self.read_tokens) & set(self.admin_tokens))
@@ -642,7 +626,7 @@ class ControlConfig:
     #: Where the state lives: the file in ``state_dir`` or etcd (``StateConfig``).
     state: StateConfig = StateConfig()
     listen: Listen = Listen()
-    tls: TLSConfig | None = None
+    tls: ServerTLS | None = None
     liveness: Liveness = Liveness()
     tokens: dict[str, str] = attrs.field(factory=dict)
     #: Accept agents with no authentication at all (no client certificate, join token or node
@@ -663,7 +647,8 @@ class ControlConfig:
     router_client_idle_timeout: float | None = None
     router_max_connections: int | None = None
     #: The key the router's /metrics wants (Authorization: Bearer KEY); "": loopback clients only.
-    metrics_key: str = attrs.field(default="", validator=_optional_secret)
+    #: Checked by the router's own rule, as the router keys are (``router_config``).
+    metrics_key: str = ""
     #: The admin API's tokens, Host names and TLS.
     api: AdminApi = AdminApi()
     #: Seconds between SIGTERM and SIGKILL in StopShard; drain deadline for `ctl drain`.

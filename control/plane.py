@@ -79,7 +79,7 @@ from control.routewatch import RouteWatch
 from control.state import STATE_FILE, SavedState, StateFileError, StateSaver, read_state, set_aside
 from control.statestore import SHARD_KEY_SECRET_KEY, EtcdStore, NotLeader
 from router.routes import ModelRoutes
-from transport import ServerLimits, ServerTLS, StreamServer
+from transport import ServerLimits, StreamServer
 
 if TYPE_CHECKING:
     from router.server import Router
@@ -921,13 +921,9 @@ class ControlPlane:
         raise SteppedDown("a fenced state write was refused")
 
     async def _serve(self, router: Router, task_status: trio.TaskStatus[ControlPlane]) -> None:
-        tls = None
-        if self.config.tls is not None:
-            t = self.config.tls
-            tls = ServerTLS(t.cert, t.key, client_ca=t.client_ca, require_client_cert=t.require_client_cert)
         server = StreamServer(
             self.agents.handle,
-            tls=tls,
+            tls=self.config.tls,
             limits=ServerLimits(max_streams=50_000),
             methods=self.route_watch.methods(),
         )

@@ -37,17 +37,20 @@ class ClientTLS:
 
 @attrs.frozen
 class ServerTLS:
-    """Server certificate, and the CA that client certificates must chain to (mutual TLS)."""
+    """Server certificate, and the CA that client certificates must chain to (mutual TLS).
 
-    certfile: Path
-    keyfile: Path
+    Also the value of the control plane's ``[tls]`` and ``[api.tls]`` tables, structured straight
+    from llmgw.toml: the field names are the file's keys."""
+
+    cert: Path
+    key: Path
     client_ca: Path | None = None
     require_client_cert: bool = False
 
     def context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(str(self.certfile), str(self.keyfile))
+        ctx.load_cert_chain(str(self.cert), str(self.key))
         if self.client_ca is not None:
             ctx.load_verify_locations(cafile=str(self.client_ca))
             ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else ssl.CERT_OPTIONAL
