@@ -97,7 +97,7 @@ from control.query import (
     shard_load,
 )
 from control.routetable import serving_replicas
-from transport import ServerTLS
+from transport.addresses import is_loopback
 
 log = logging.getLogger("llmgw.control.api")
 
@@ -616,16 +616,6 @@ _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
-
-
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -751,7 +741,7 @@ class ApiGuard:
     def role(self, headers: dict[bytes, bytes], client: str | None) -> str:
         """The role the request's credentials give (``ApiError`` 401/403 when they give none)."""
         if not self.has_tokens:
-            if client is None or not _is_loopback(client):
+            if client is None or not is_loopback(client):
                 raise ApiError(
                     403,
                     "the admin API answers only this machine while no tokens are configured; set "
@@ -1187,7 +1177,7 @@ async def serve_api(
     config.h2_max_concurrent_streams = 0
     if api.tls is not None:
         # Built once here so that a bad certificate or CA fails at start, naming the file.
-        ServerTLS(api.tls.cert, api.tls.key, api.tls.client_ca, api.tls.require_client_cert).context()
+        api.tls.context()
         config.certfile = str(api.tls.cert)
         config.keyfile = str(api.tls.key)
         if api.tls.client_ca is not None:
@@ -1198,7 +1188,7 @@ async def serve_api(
         log.warning(
             "admin API: no tokens in [api] (read_tokens, admin_tokens): it answers only clients on "
             "this machine%s; set tokens to use ctl from elsewhere",
-            "" if _is_loopback(host) or host == "localhost" else f" although it listens on {host}",
+            "" if is_loopback(host) or host == "localhost" else f" although it listens on {host}",
         )
     async with trio.open_nursery() as nursery:
         urls: list[str] = await nursery.start(serve, make_app(query, guard, metrics), config)

@@ -26,7 +26,6 @@ PERMISSION_DENIED and nothing else.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -38,6 +37,7 @@ from control.fleet import Node, NodeState
 from router.routes import ModelRoutes
 from schema.rpc import Code, RpcError
 from transport import Handler, ServerStream
+from transport.addresses import is_loopback
 from transport.h2io import peer_text
 
 log = logging.getLogger("llmgw.control.routewatch")
@@ -63,17 +63,6 @@ def table_message(epoch: str, revision: int, table: Mapping[str, ModelRoutes]) -
             for name, routes in sorted(table.items())
         ],
     )
-
-
-def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 class RouteWatch:
@@ -153,7 +142,7 @@ class RouteWatch:
     def authorize(self, st: ServerStream) -> None:
         """Raise the status a refused watcher gets (nothing is sent to it before this passes)."""
         if not self._tokens:
-            if not _is_loopback(st.peer.address):
+            if not is_loopback(st.peer.address.rsplit(":", 1)[0].strip("[]")):
                 raise RpcError(
                     Code.PERMISSION_DENIED,
                     "the route watch answers only this machine while no tokens are configured; set "

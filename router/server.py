@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -64,6 +63,7 @@ from router.stalls import Watch, stall, tcp_progress, unread, writable
 from router.upstream import UpstreamConn, classify, request_bytes
 from telemetry.tracing import Tracing
 from telemetry.version import version
+from transport.addresses import is_loopback
 
 log = logging.getLogger("llmgw.router")
 
@@ -457,13 +457,10 @@ class Router:
                 )
             return
         try:
-            peer = ex.client.stream.socket.getpeername()[0]
-            address = ipaddress.ip_address(peer)
-        except (OSError, ValueError):
-            address = None
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
-        if address is None or not address.is_loopback:
+            peer = str(ex.client.stream.socket.getpeername()[0])
+        except OSError:
+            peer = ""
+        if not is_loopback(peer):
             raise RouterError(
                 403,
                 "/metrics answers only this machine while no metrics_key is set; set metrics_key in "
