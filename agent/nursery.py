@@ -37,7 +37,7 @@ from agent.metrics import AgentMetrics
 from agent.session import Session, SessionResult, read_credential, write_credential
 from agent.supervise import LivenessProbe, Supervisor, probe_address
 from agent.supervise.supervisor import TEST_KILL_AT_ENV
-from transport import ClientTLS, GoAwayReceived, StreamOptions, TransportError, open_stream
+from transport import CallOptions, ClientTLS, GoAwayReceived, TransportError, open_stream
 
 log = logging.getLogger("llmgw.agent")
 
@@ -127,14 +127,14 @@ async def engine_versions(config: AgentConfig) -> tuple[Installed, ...]:
     return found
 
 
-def stream_options(config: AgentConfig) -> StreamOptions:
+def stream_options(config: AgentConfig) -> CallOptions:
     tls = None
     if config.tls_ca or config.tls_cert:
         tls = ClientTLS(ca_file=config.tls_ca, cert_file=config.tls_cert, key_file=config.tls_key)
     metadata = {"x-llmgw-node": config.node_id}
     # Keepalive well inside the heartbeat period: a dead peer is noticed before a beat is missed twice.
     interval = max(min(config.heartbeat_interval * 2, 30.0), 1.0)
-    return StreamOptions(
+    return CallOptions(
         protocol=config.protocol,
         tls=tls,
         keepalive_interval=interval,

@@ -120,11 +120,11 @@ async def _node(
     url: str, node_id: str, token: str, heartbeat: float, registered: set[str], changed: list[trio.Event]
 ) -> None:
     from agent.nursery import backoff_delay
-    from transport import StreamOptions, open_stream
+    from transport import CallOptions, open_stream
 
     rng = random.Random(node_id)
     attempt = 0
-    options = StreamOptions(keepalive_interval=30, keepalive_timeout=20, connect_timeout=30)
+    options = CallOptions(keepalive_interval=30, keepalive_timeout=20, connect_timeout=30)
     # As the agent does: the join token, and from the first answer on the credential it was issued.
     register = _register_message(node_id, token, "")
     beat = cast(

@@ -144,9 +144,9 @@ async def _latency_ours(port: int, size: Size) -> dict[str, float]:
 
 
 async def _latency_ours_unbounded(port: int, size: Size) -> dict[str, float]:
-    from transport import StreamOptions, open_stream
+    from transport import CallOptions, open_stream
 
-    async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(keepalive_interval=300)) as stream:
+    async with open_stream(f"http://127.0.0.1:{port}", CallOptions(keepalive_interval=300)) as stream:
         samples = []
         for i in range(size.warmup + size.latency_rounds):
             t0 = time.perf_counter()
@@ -210,7 +210,7 @@ async def _latency_grpcio_unbounded(port: int, size: Size) -> dict[str, float]:
 
 async def _hold_ours(port: int, count: int, ready: trio.Event, release: trio.Event) -> int:
     """Open ``count`` connections with one stream each, each answered once, then hold them."""
-    from transport import StreamOptions, open_stream
+    from transport import CallOptions, open_stream
 
     opened = 0
     all_open = trio.Event()
@@ -222,9 +222,7 @@ async def _hold_ours(port: int, count: int, ready: trio.Event, release: trio.Eve
         await handshakes.acquire()
         released = False
         try:
-            async with open_stream(
-                f"http://127.0.0.1:{port}", StreamOptions(keepalive_interval=300)
-            ) as stream:
+            async with open_stream(f"http://127.0.0.1:{port}", CallOptions(keepalive_interval=300)) as stream:
                 await stream.send(_heartbeat(i))
                 await stream.receive()
                 handshakes.release()

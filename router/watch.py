@@ -27,6 +27,7 @@ from router.routes import ModelRoutes, Upstream, parse_url
 from schema.rpc import Code, RpcError
 from transport.client import CallOptions, server_stream
 from transport.h2io import TransportError, peer_text
+from transport.tls import ClientTLS
 
 log = logging.getLogger("llmgw.router.watch")
 
@@ -60,6 +61,10 @@ def _parse(payload: bytes) -> schema.RouteTable:
         raise RpcError(Code.INTERNAL, f"malformed RouteTable ({len(payload)} bytes): {exc}") from exc
 
 
+#: Where a router watches routes, for the errors of a connection that reached something else.
+WATCH_PORT_HINT = "a router's --control is the control plane's [listen] agents address"
+
+
 class WatchedRoutes:
     """Routes watched from the control plane at ``url``; see the module docstring.
 
@@ -83,12 +88,16 @@ class WatchedRoutes:
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
         metadata = {"authorization": f"Bearer {token}"} if token else {}
+        # Shorter bounds than an agent's: a router without routes yet is waiting to serve.
         self._options = CallOptions(
-            ca=ca,
+            protocol=protocol,
+            tls=ClientTLS(ca_file=ca) if ca else None,
+            connect_timeout=5.0,
+            settings_timeout=5.0,
+            keepalive_interval=5.0,
+            keepalive_timeout=5.0,
             metadata=metadata,
             user_agent="llmgw-router",
-            protocol=protocol,
-            port_hint="a router's --control is the control plane's [listen] agents address",
         )
         self._routes: Mapping[str, ModelRoutes] = MappingProxyType({})
         self.epoch = ""
@@ -129,7 +138,11 @@ class WatchedRoutes:
             try:
                 request = schema.WatchRoutesRequest(epoch=self.epoch, revision=self.revision)
                 async with server_stream(
-                    self.url, schema.WATCH_ROUTES_PATH, bytes(request), self._options
+                    self.url,
+                    schema.WATCH_ROUTES_PATH,
+                    bytes(request),
+                    self._options,
+                    port_hint=WATCH_PORT_HINT,
                 ) as call:
                     while (payload := await call.receive()) is not None:
                         self._apply(_parse(payload))

@@ -120,7 +120,7 @@ GRPC_CONTENT_TYPES = (GRPC_CONTENT_TYPE, GRPC_PROTO_CONTENT_TYPE)
 #: The Connect streaming protocol's content type (protobuf codec).
 CONNECT_CONTENT_TYPE = "application/connect+proto"
 
-#: The protocols a call on an HTTP/2 stream speaks, by name (``StreamOptions.protocol`` and the like).
+#: The protocols a call on an HTTP/2 stream speaks, by name (``transport.client.CallOptions.protocol`` and the like).
 PROTOCOLS = ("grpc", "connect")
 
 

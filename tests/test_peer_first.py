@@ -25,12 +25,12 @@ from tests.fleet_procs import FIXTURES, ControlProcess, catalog, poll, terminate
 from tests.rawh2 import PREFACE, split_frames
 from tests.wirepeers import echo_handler, register
 from transport import (
+    CallOptions,
     ClientTLS,
     ConnectionLost,
     GoAwayReceived,
     ServerLimits,
     ServerTLS,
-    StreamOptions,
     StreamServer,
     open_stream,
 )
@@ -203,14 +203,14 @@ async def test_plaintext_url_for_a_tls_port_is_named(
     port = await nursery.start(server.serve, "127.0.0.1", 0)
     hint = "this port speaks TLS: use an https:// (or wss://) server URL"
     with trio.fail_after(10), pytest.raises(GoAwayReceived) as info:
-        async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(settings_timeout=3)):
+        async with open_stream(f"http://127.0.0.1:{port}", CallOptions(settings_timeout=3)):
             pass
     assert hint in str(info.value)
     with trio.fail_after(10), pytest.raises(ConnectionLost) as refused:
         async with open_stream(f"ws://127.0.0.1:{port}"):
             pass
     assert f"refused: HTTP 400: '{hint}'" in str(refused.value)
-    async with open_stream(f"https://127.0.0.1:{port}", StreamOptions(tls=ClientTLS(ca_file=ca))) as stream:
+    async with open_stream(f"https://127.0.0.1:{port}", CallOptions(tls=ClientTLS(ca_file=ca))) as stream:
         await stream.send(register("hello"))
         assert (await stream.receive()) is not None
 
@@ -231,7 +231,7 @@ async def test_tls_url_for_a_plaintext_port_is_named(
     _, port = echo_server
     ca, _, _ = certs
     with trio.fail_after(10), pytest.raises(ConnectionLost) as info:
-        async with open_stream(f"https://127.0.0.1:{port}", StreamOptions(tls=ClientTLS(ca_file=ca))):
+        async with open_stream(f"https://127.0.0.1:{port}", CallOptions(tls=ClientTLS(ca_file=ca))):
             pass
     assert "the server answered in plaintext HTTP/2: the port does not use TLS; use an http://" in str(
         info.value
@@ -242,7 +242,7 @@ async def test_our_server_still_answers_at_once(echo_server: tuple[StreamServer,
     """Waiting for SETTINGS costs nothing against a real agent port (and grpcio's: test_wire_client)."""
     _, port = echo_server
     with trio.fail_after(2):
-        async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(settings_timeout=1)) as stream:
+        async with open_stream(f"http://127.0.0.1:{port}", CallOptions(settings_timeout=1)) as stream:
             await stream.send(register("hello"))
             reply = await stream.receive()
     assert reply is not None and reply.ack is not None and reply.ack.ok

@@ -16,7 +16,7 @@ from schema import envelope
 from tests.rawh2 import RawPeer, raw_call
 from tests.rawws import binary_frame_head, read_until_closed, ws_connect, ws_frames
 from tests.wirepeers import heartbeat, nursery_handler, register
-from transport import Code, RpcError, StreamOptions, StreamServer, open_stream
+from transport import CallOptions, Code, RpcError, StreamServer, open_stream
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ async def test_client_refuses_server_that_is_not_rpc(nursery: trio.Nursery) -> N
 
     server = StreamServer(never, limits=ServerLimits())
     port = await nursery.start(server.serve, "127.0.0.1", 0)
-    opts = StreamOptions(protocol="grpc", metadata={"x-test": "1"})
+    opts = CallOptions(protocol="grpc", metadata={"x-test": "1"})
     # Send a JSON content-type by abusing metadata is not possible; use the raw peer instead.
     res = await raw_call(port, b"", content_type="text/plain")
     assert res.status == "415"

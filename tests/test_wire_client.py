@@ -11,7 +11,7 @@ import trio
 
 import schema
 from tests.wirepeers import ack, heartbeat, register
-from transport import Code, GoAwayReceived, RpcError, StreamOptions, StreamServer, open_stream
+from transport import CallOptions, Code, GoAwayReceived, RpcError, StreamServer, open_stream
 from transport.client import RpcClientStream, connect
 
 CARRIERS = [("http", "grpc"), ("http", "connect"), ("ws", "grpc")]
@@ -22,7 +22,7 @@ async def test_round_trips_and_statuses(
     echo_server: tuple[StreamServer, int], scheme: str, protocol: str
 ) -> None:
     _, port = echo_server
-    opts = StreamOptions(protocol=protocol)  # type: ignore[arg-type]
+    opts = CallOptions(protocol=protocol)  # type: ignore[arg-type]
     async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
         for i in range(100):
             await stream.send(heartbeat(i))
@@ -48,7 +48,7 @@ async def test_pipelined_and_pushed(
     echo_server: tuple[StreamServer, int], scheme: str, protocol: str
 ) -> None:
     _, port = echo_server
-    opts = StreamOptions(protocol=protocol)  # type: ignore[arg-type]
+    opts = CallOptions(protocol=protocol)  # type: ignore[arg-type]
     async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
         got: list[int] = []
 
@@ -76,7 +76,7 @@ async def test_the_first_message_has_the_tighter_cap_and_the_next_the_stream_lim
     waiting: the WebSocket route widens its cap as the first message completes, before the next is
     read) is taken under the stream's 4 MiB."""
     _, port = echo_server
-    opts = StreamOptions(protocol=protocol)  # type: ignore[arg-type]
+    opts = CallOptions(protocol=protocol)  # type: ignore[arg-type]
     big = register("echo", hostname="h" * 3_000_000, message_id=2)
     async with open_stream(f"{scheme}://127.0.0.1:{port}", opts) as stream:
         await stream.send(heartbeat(1))
@@ -113,7 +113,7 @@ async def test_oversized_outgoing_message_is_refused_before_sending(
     echo_server: tuple[StreamServer, int],
 ) -> None:
     _, port = echo_server
-    async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(max_message_size=1024)) as stream:
+    async with open_stream(f"http://127.0.0.1:{port}", CallOptions(max_message_size=1024)) as stream:
         from schema.envelope import MessageTooLarge
 
         with pytest.raises(MessageTooLarge, match="outgoing message of"):

@@ -32,7 +32,7 @@ import pytest
 import trio
 
 from tests.wirepeers import heartbeat, register
-from transport import Code, RpcError, StreamOptions, StreamServer, open_stream
+from transport import CallOptions, Code, RpcError, StreamServer, open_stream
 
 REPO = Path(__file__).resolve().parent.parent
 NODE_DIR = Path(__file__).resolve().parent / "connect_node"
@@ -220,7 +220,7 @@ async def _connect_node_server(peer: NodePeer, stderr_path: Path) -> AsyncIterat
 
 
 async def test_our_client_against_connect_node_server(node_peer: NodePeer, tmp_path: Path) -> None:
-    opts = StreamOptions(protocol="connect")
+    opts = CallOptions(protocol="connect")
     async with _connect_node_server(node_peer, tmp_path / "server.stderr") as port:
         url = f"http://127.0.0.1:{port}"
         with trio.fail_after(EXCHANGE_DEADLINE):

@@ -21,10 +21,10 @@ from tests.rawh2 import split_frames
 from tests.support import BlackHoleProxy
 from tests.wirepeers import echo_handler, heartbeat
 from transport import (
+    CallOptions,
     GoAwayReceived,
     PeerUnresponsive,
     ServerLimits,
-    StreamOptions,
     StreamReset,
     StreamServer,
     TransportError,
@@ -40,7 +40,7 @@ async def test_black_holed_connection_is_detected_by_ping(
     _, port = echo_server
     proxy = BlackHoleProxy(port)
     proxy_port = await nursery.start(proxy.serve)
-    opts = StreamOptions(keepalive_interval=0.2, keepalive_timeout=0.5)
+    opts = CallOptions(keepalive_interval=0.2, keepalive_timeout=0.5)
     async with open_stream(f"http://127.0.0.1:{proxy_port}", opts) as stream:
         await stream.send(heartbeat(1))
         assert (await stream.receive()) is not None
@@ -105,7 +105,7 @@ async def test_graceful_shutdown_sends_goaway_then_ends_streams(nursery: trio.Nu
     assert server.active_streams == 0
     # New connections are refused once the listener is closed.
     with pytest.raises(TransportError):
-        async with open_stream(f"http://127.0.0.1:{port}", StreamOptions(connect_timeout=2)) as stream:
+        async with open_stream(f"http://127.0.0.1:{port}", CallOptions(connect_timeout=2)) as stream:
             await stream.send(heartbeat(2))
             await stream.receive()
 

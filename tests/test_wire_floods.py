@@ -20,7 +20,7 @@ from hyperframe.frame import Frame, GoAwayFrame, PingFrame, SettingsFrame, Windo
 from tests.rawh2 import RawPeer
 from tests.support import apoll
 from tests.wirepeers import echo_handler, heartbeat
-from transport import ServerLimits, StreamOptions, StreamServer, open_stream
+from transport import CallOptions, ServerLimits, StreamServer, open_stream
 from transport.h2proto import CloseConnection, FrameBudget, ServerProtocol
 
 LOGGER = "llmgw.transport.server"
@@ -161,7 +161,7 @@ async def test_a_long_lived_stream_pinging_past_the_lifetime_count_is_never_caug
     limits = ServerLimits(max_control_frames=8, control_frame_window=1.0)
     server = StreamServer(echo_handler, limits=limits)
     port = await nursery.start(server.serve, "127.0.0.1", 0)
-    options = StreamOptions(keepalive_interval=0.25, keepalive_timeout=5.0)
+    options = CallOptions(keepalive_interval=0.25, keepalive_timeout=5.0)
     async with open_stream(f"http://127.0.0.1:{port}", options) as stream:
         await stream.send(heartbeat(1))
         assert (await stream.receive()) is not None

@@ -12,11 +12,11 @@ import trustme
 
 from tests.wirepeers import echo_handler, register
 from transport import (
+    CallOptions,
     ClientTLS,
     ConnectionLost,
     ServerLimits,
     ServerTLS,
-    StreamOptions,
     StreamServer,
     open_stream,
 )
@@ -72,7 +72,7 @@ async def test_handler_sees_certificate_identity(
 ) -> None:
     tls = ClientTLS(ca_file=pki.ca, cert_file=pki.node_cert, key_file=pki.node_key)
     async with open_stream(
-        f"{scheme}://127.0.0.1:{mtls_port}", StreamOptions(protocol=protocol, tls=tls)
+        f"{scheme}://127.0.0.1:{mtls_port}", CallOptions(protocol=protocol, tls=tls)
     ) as stream:  # type: ignore[arg-type]
         await stream.send(register("whoami"))
         reply = await stream.receive()
@@ -93,13 +93,13 @@ async def test_clients_without_a_valid_certificate_are_refused(
         key_file=getattr(pki, key) if key else None,
     )
     with pytest.raises(ConnectionLost) as info:
-        async with open_stream(f"https://127.0.0.1:{mtls_port}", StreamOptions(tls=tls)) as stream:
+        async with open_stream(f"https://127.0.0.1:{mtls_port}", CallOptions(tls=tls)) as stream:
             await stream.send(register("whoami"))
             await stream.receive()
     assert "client certificate" in str(info.value)
     # And the server still serves a good client afterwards.
     good = ClientTLS(ca_file=pki.ca, cert_file=pki.node_cert, key_file=pki.node_key)
-    async with open_stream(f"https://127.0.0.1:{mtls_port}", StreamOptions(tls=good)) as stream:
+    async with open_stream(f"https://127.0.0.1:{mtls_port}", CallOptions(tls=good)) as stream:
         await stream.send(register("whoami"))
         assert (await stream.receive()) is not None
 
@@ -107,5 +107,5 @@ async def test_clients_without_a_valid_certificate_are_refused(
 async def test_client_refuses_a_server_it_does_not_trust(mtls_port: int, pki: Pki) -> None:
     tls = ClientTLS(cert_file=pki.node_cert, key_file=pki.node_key)  # system CAs only
     with pytest.raises(ConnectionLost, match="CERTIFICATE_VERIFY_FAILED"):
-        async with open_stream(f"https://127.0.0.1:{mtls_port}", StreamOptions(tls=tls)):
+        async with open_stream(f"https://127.0.0.1:{mtls_port}", CallOptions(tls=tls)):
             pass

@@ -10,11 +10,14 @@ stays pure; the sockets, trio and h2 driving live here:
 - :mod:`transport.server`: the agent port (sniffing, HTTP/2, WebSocket), its socket IO and handlers;
 - :mod:`transport.h2proto`: the server's HTTP/2 event handling, sans-IO (requests, floods);
 - :mod:`transport.limits`, :mod:`transport.tls`, :mod:`transport.bursts`: the server's bounds, TLS
-  settings for both ends, and log lines that come in bursts.
+  settings for both ends, and log lines that come in bursts;
+- :mod:`transport.addresses`: whether a peer is this machine (every listener that answers local
+  clients only while it has no tokens).
 """
 
 from schema.rpc import Code, RpcError
-from transport.agentstream import AgentStream, StreamOptions, open_stream
+from transport.agentstream import AgentStream, open_stream
+from transport.client import CallOptions
 from transport.h2io import (
     ConnectionLost,
     GoAwayReceived,
@@ -29,6 +32,7 @@ from transport.tls import ClientTLS, ServerTLS
 
 __all__ = [
     "AgentStream",
+    "CallOptions",
     "ClientTLS",
     "Code",
     "ConnectionLost",
@@ -41,7 +45,6 @@ __all__ = [
     "ServerStream",
     "ServerTLS",
     "StalledMessage",
-    "StreamOptions",
     "StreamReset",
     "StreamServer",
     "TransportError",

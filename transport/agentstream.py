@@ -23,46 +23,28 @@ next ``send`` or ``receive`` raises it, so a session sees every failure in the o
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal, cast
+from typing import cast
 from urllib.parse import urlsplit
 
-import attrs
 import trio
 import trio_websocket
 
 import schema
 from schema import envelope
 from schema.rpc import Code, RpcError, decode_connect_end_stream
-from transport.client import RpcClientStream, closed_hint, connect, dial, split_url, with_background
+from transport.client import (
+    CallOptions,
+    RpcClientStream,
+    closed_hint,
+    connect,
+    dial,
+    split_url,
+    with_background,
+)
 from transport.h2io import ConnectionLost, PeerUnresponsive, TransportError, peer_text
 from transport.tls import ClientTLS
-
-Protocol = Literal["grpc", "connect"]
-
-
-@attrs.frozen
-class StreamOptions:
-    """How to reach the control plane; every wait here has a bound."""
-
-    protocol: Protocol = "grpc"
-    tls: ClientTLS | None = None
-    #: TCP connect plus TLS handshake must finish within this many seconds.
-    connect_timeout: float = 10.0
-    #: HTTP/2: the server's SETTINGS must arrive within this many seconds of our connection preface.
-    #: Until they do, nothing beyond the preface and our own SETTINGS is sent (no HEADERS with the
-    #: metadata, no Register): a peer that has not spoken HTTP/2 yet is not known to be a control plane.
-    settings_timeout: float = 5.0
-    #: Seconds between keepalive PINGs, and how long an answer may take: a black-holed connection is
-    #: detected within ``keepalive_interval + keepalive_timeout`` rather than after TCP's minutes.
-    keepalive_interval: float = 10.0
-    keepalive_timeout: float = 5.0
-    max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE
-    #: Extra request headers, e.g. ``{"authorization": "Bearer ..."}``.
-    metadata: Mapping[str, str] = attrs.field(factory=dict)
-    #: The ``user-agent`` request header (the agent adds its version).
-    user_agent: str = "llmgw-agent"
 
 
 class AgentStream:
@@ -96,9 +78,9 @@ def _parse_control(payload: bytes) -> schema.ControlMessage:
 
 
 @asynccontextmanager
-async def open_stream(url: str, options: StreamOptions | None = None) -> AsyncIterator[AgentStream]:
+async def open_stream(url: str, options: CallOptions | None = None) -> AsyncIterator[AgentStream]:
     """Connect to ``url`` and open ``AgentService/Connect``; closing the context ends the stream."""
-    options = options or StreamOptions()
+    options = options or CallOptions()
     scheme, host, port = split_url(url, ("http", "https", "ws", "wss"))
     if scheme in ("ws", "wss"):
         async with _open_websocket(url, scheme == "wss", options) as ws_stream:
@@ -161,25 +143,9 @@ class _H2ClientStream(RpcClientStream, AgentStream):
 
 
 @asynccontextmanager
-async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -> AsyncIterator[AgentStream]:
-    async with connect(
-        host,
-        port,
-        tls=(options.tls or ClientTLS()) if secure else None,
-        connect_timeout=options.connect_timeout,
-        settings_timeout=options.settings_timeout,
-        keepalive_interval=options.keepalive_interval,
-        keepalive_timeout=options.keepalive_timeout,
-        port_hint=AGENT_PORT_HINT,
-    ) as connection:
-        st = connection.open_call(
-            schema.CONNECT_PATH,
-            protocol=options.protocol,
-            metadata=options.metadata,
-            user_agent=options.user_agent,
-            max_message_size=options.max_message_size,
-            stream=_H2ClientStream,
-        )
+async def _open_h2(host: str, port: int, secure: bool, options: CallOptions) -> AsyncIterator[AgentStream]:
+    async with connect(host, port, options, secure=secure, port_hint=AGENT_PORT_HINT) as connection:
+        st = connection.open_call(schema.CONNECT_PATH, options, stream=_H2ClientStream)
         await connection.transport.flush()
         yield st
 
@@ -188,7 +154,7 @@ async def _open_h2(host: str, port: int, secure: bool, options: StreamOptions) -
 
 
 class _WsClientStream(AgentStream):
-    def __init__(self, ws: trio_websocket.WebSocketConnection, options: StreamOptions) -> None:
+    def __init__(self, ws: trio_websocket.WebSocketConnection, options: CallOptions) -> None:
         self.ws = ws
         self.options = options
         self.protocol = "websocket"
@@ -261,7 +227,7 @@ class _WsClientStream(AgentStream):
 
 
 @asynccontextmanager
-async def _open_websocket(url: str, secure: bool, options: StreamOptions) -> AsyncIterator[AgentStream]:
+async def _open_websocket(url: str, secure: bool, options: CallOptions) -> AsyncIterator[AgentStream]:
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if secure else 80)

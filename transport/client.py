@@ -27,7 +27,6 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -65,24 +64,30 @@ log = logging.getLogger("llmgw.transport.client")
 
 @attrs.frozen
 class CallOptions:
-    """How to reach the server; every wait has a bound."""
+    """How to reach a server and call it, for every client here (the agent's stream, the router's
+    route watch); every wait has a bound."""
 
-    #: CA bundle that signs the server's certificate (``https://``); ``None``: the system store.
-    ca: Path | None = None
-    #: TCP connect plus TLS handshake, and then the server's SETTINGS, each within this many seconds.
-    connect_timeout: float = 5.0
-    #: Seconds between PINGs, and how long an answer may take.
-    keepalive_interval: float = 5.0
+    #: ``grpc`` (status in trailers) or ``connect`` (status in an end-of-stream envelope); a
+    #: ``ws://``/``wss://`` URL speaks neither (the agent's WebSocket route).
+    protocol: str = attrs.field(default="grpc", validator=attrs.validators.in_(PROTOCOLS))
+    #: For ``https://`` and ``wss://``: the CA to trust and the certificate to present (mutual TLS);
+    #: ``None``: the system trust store and no client certificate.
+    tls: ClientTLS | None = None
+    #: TCP connect plus TLS handshake must finish within this many seconds.
+    connect_timeout: float = 10.0
+    #: HTTP/2: the server's SETTINGS must arrive within this many seconds of our connection preface.
+    #: Until they do, nothing beyond the preface and our own SETTINGS is sent (no HEADERS with the
+    #: metadata): a peer that has not spoken HTTP/2 yet is not known to be the server.
+    settings_timeout: float = 5.0
+    #: Seconds between keepalive PINGs, and how long an answer may take: a black-holed connection is
+    #: detected within ``keepalive_interval + keepalive_timeout`` rather than after TCP's minutes.
+    keepalive_interval: float = 10.0
     keepalive_timeout: float = 5.0
     max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE
     #: Extra request headers (lower-case names), e.g. ``{"authorization": "Bearer ..."}``.
     metadata: Mapping[str, str] = attrs.field(factory=dict)
+    #: The ``user-agent`` request header (each process adds its name and version).
     user_agent: str = "llmgw"
-    #: Which address the caller should have used, for the errors of a connection that reached
-    #: something else (the router's or the admin API's port, say).
-    port_hint: str = "use the server's HTTP/2 (gRPC) address"
-    #: ``grpc`` (status in trailers) or ``connect`` (status in an end-of-stream envelope).
-    protocol: str = attrs.field(default="grpc", validator=attrs.validators.in_(PROTOCOLS))
 
 
 class RpcClientStream(H2Stream):
@@ -453,16 +458,15 @@ class ClientConnection:
     def open_call(
         self,
         path: str,
+        options: CallOptions | None = None,
         *,
-        protocol: str = "grpc",
-        metadata: Mapping[str, str] | None = None,
-        user_agent: str = "llmgw",
-        max_message_size: int = envelope.DEFAULT_MAX_MESSAGE_SIZE,
         stream: Callable[[H2Transport, int, int, str], _Call],
     ) -> _Call:
-        """Open a call to ``path``: its request headers are queued (sent with the next flush or
-        message) and its stream returned; ``stream`` makes the stream object
-        (:class:`RpcClientStream`, or a subclass that knows the call's messages)."""
+        """Open a call to ``path`` (in ``options``' protocol, with its metadata, user agent and
+        message bound): its request headers are queued (sent with the next flush or message) and
+        its stream returned; ``stream`` makes the stream object (:class:`RpcClientStream`, or a
+        subclass that knows the call's messages)."""
+        options = options or CallOptions()
         conn = self.transport.conn
         if self.transport.error is not None:
             raise self.transport.error
@@ -472,11 +476,11 @@ class ClientConnection:
             (":scheme", "https" if self.secure else "http"),
             (":path", path),
             (":authority", f"{self.host}:{self.port}"),
-            *request_headers(protocol),
-            ("user-agent", user_agent),
-            *((k.lower(), v) for k, v in (metadata or {}).items()),
+            *request_headers(options.protocol),
+            ("user-agent", options.user_agent),
+            *((k.lower(), v) for k, v in options.metadata.items()),
         ]
-        st = stream(self.transport, stream_id, max_message_size, protocol)
+        st = stream(self.transport, stream_id, options.max_message_size, options.protocol)
         conn.send_headers(stream_id, [(k.encode(), v.encode()) for k, v in headers])
         return st
 
@@ -522,29 +526,31 @@ class ClientConnection:
 async def connect(
     host: str,
     port: int,
+    options: CallOptions | None = None,
     *,
-    tls: ClientTLS | None = None,
-    connect_timeout: float = 10.0,
-    settings_timeout: float = 5.0,
-    keepalive_interval: float = 10.0,
-    keepalive_timeout: float = 5.0,
+    secure: bool = False,
     port_hint: str = "use the server's HTTP/2 (gRPC) address",
 ) -> AsyncIterator[ClientConnection]:
-    """Dial ``host:port`` (TLS when ``tls`` is given), speak HTTP/2 and wait for the server's SETTINGS
-    (:func:`await_server_settings`); then the reader and keepalive run until the block is left.
+    """Dial ``host:port`` (TLS when ``secure``, with ``options.tls``), speak HTTP/2 and wait for the
+    server's SETTINGS (:func:`await_server_settings`); then the reader and keepalive run until the
+    block is left. ``port_hint`` says which address the caller should have used, for the errors of
+    a connection that reached something else (the router's or the admin API's port, say).
 
     Leaving the block resets the calls still open, says GOAWAY (after the server's own GOAWAY that
     is all we send) and closes the socket.
     """
-    secure = tls is not None
-    stream = await dial(host, port, tls=tls, alpn="h2", timeout=connect_timeout, port_hint=port_hint)
+    options = options or CallOptions()
+    tls = (options.tls or ClientTLS()) if secure else None
+    stream = await dial(host, port, tls=tls, alpn="h2", timeout=options.connect_timeout, port_hint=port_hint)
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
     conn.initiate_connection()
     transport = H2Transport(stream, conn)
     try:
-        await await_server_settings(transport, f"{host}:{port}", secure, settings_timeout, port_hint)
+        await await_server_settings(transport, f"{host}:{port}", secure, options.settings_timeout, port_hint)
         connection = ClientConnection(transport, host, port, secure)
-        keepalive = functools.partial(transport.keepalive, keepalive_interval, keepalive_timeout)
+        keepalive = functools.partial(
+            transport.keepalive, options.keepalive_interval, options.keepalive_timeout
+        )
         async with with_background(connection.read_loop, keepalive):
             try:
                 yield connection
@@ -575,30 +581,20 @@ def split_url(url: str, schemes: tuple[str, ...] = ("http", "https")) -> tuple[s
 
 @asynccontextmanager
 async def server_stream(
-    url: str, path: str, request: bytes, options: CallOptions | None = None
+    url: str,
+    path: str,
+    request: bytes,
+    options: CallOptions | None = None,
+    *,
+    port_hint: str = "use the server's HTTP/2 (gRPC) address",
 ) -> AsyncIterator[ServerStreamCall]:
     """Call the server-streaming method at ``path`` on ``url`` (``http://`` or ``https://``) with
-    one ``request`` message; leaving the block cancels the call and closes the connection."""
+    one ``request`` message; leaving the block cancels the call and closes the connection.
+    ``port_hint`` says which address the caller should have used, for the errors of a connection
+    that reached something else (the router's or the admin API's port, say)."""
     options = options or CallOptions()
     scheme, host, port = split_url(url)
-    tls = ClientTLS(ca_file=options.ca) if scheme == "https" else None
-    async with connect(
-        host,
-        port,
-        tls=tls,
-        connect_timeout=options.connect_timeout,
-        settings_timeout=options.connect_timeout,
-        keepalive_interval=options.keepalive_interval,
-        keepalive_timeout=options.keepalive_timeout,
-        port_hint=options.port_hint,
-    ) as connection:
-        st = connection.open_call(
-            path,
-            protocol=options.protocol,
-            metadata=options.metadata,
-            user_agent=options.user_agent,
-            max_message_size=options.max_message_size,
-            stream=RpcClientStream,
-        )
+    async with connect(host, port, options, secure=scheme == "https", port_hint=port_hint) as connection:
+        st = connection.open_call(path, options, stream=RpcClientStream)
         await st.send_data(envelope.encode(request, 0, options.max_message_size), end_stream=True)
         yield ServerStreamCall(st)
