@@ -17,7 +17,6 @@ Why the JSON gateway and not gRPC: see docs/etcd.md.
 
 from __future__ import annotations
 
-import json
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -205,7 +204,7 @@ class EtcdClient:
                         failures.append(f"{endpoint}: {why}")
                         break
                     self._current = index
-                    doc = self._parse(raw, endpoint, what)
+                    doc = wire.decode_document(raw, f"{what}: {endpoint}")
                     if status == 200 and "error" not in doc:
                         return doc
                     code, message = wire.error_of(doc, status)
@@ -257,18 +256,6 @@ class EtcdClient:
                 if len(raw) > MAX_ANSWER_BYTES:
                     raise EtcdProtocolError(f"{endpoint}{path} answered over {MAX_ANSWER_BYTES} bytes")
             return response.status_code, bytes(raw)
-
-    @staticmethod
-    def _parse(raw: bytes, endpoint: str, what: str) -> dict[str, Any]:
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            raise EtcdProtocolError(
-                f"{what}: {endpoint} answered something that is not JSON: {raw[:200]!r}"
-            ) from None
-        if not isinstance(doc, dict):
-            raise EtcdProtocolError(f"{what}: {endpoint} answered JSON that is not an object: {raw[:200]!r}")
-        return doc
 
     async def authenticate(self) -> None:
         """Get a token for the configured user (coalesced: tasks that find the token expired at once
@@ -492,7 +479,7 @@ class EtcdClient:
             try:
                 with trio.fail_after(self.config.request_timeout):
                     status, raw = await self._post(endpoint, "/v3/maintenance/status", {})
-                doc = self._parse(raw, endpoint, "etcd status")
+                doc = wire.decode_document(raw, f"etcd status: {endpoint}")
                 if status != 200 or "error" in doc:
                     results[i] = wire.error_of(doc, status)[1]
                 else:

@@ -210,17 +210,7 @@ class Watch:
                 del self._buffer[: end + 1]
                 if not line.strip():
                     continue
-                try:
-                    doc = json.loads(line)
-                except ValueError:
-                    raise EtcdProtocolError(
-                        f"{self.what}: {self.endpoint} sent a line that is not JSON: {line[:200]!r}"
-                    ) from None
-                if not isinstance(doc, dict):
-                    raise EtcdProtocolError(
-                        f"{self.what}: {self.endpoint} sent JSON that is not an object: {line[:200]!r}"
-                    )
-                return doc
+                return wire.decode_document(line, f"{self.what}: {self.endpoint}", "a line")
             if len(self._buffer) > MAX_LINE_BYTES:
                 raise EtcdProtocolError(
                     f"{self.what}: {self.endpoint} sent a response over {MAX_LINE_BYTES} bytes"

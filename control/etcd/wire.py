@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -132,6 +133,19 @@ def encode_watch(
 
 
 # -- decoding --------------------------------------------------------------------------------------------
+
+
+def decode_document(raw: bytes, sender: str, what: str = "something") -> dict[str, Any]:
+    """One JSON object from the gateway (an answer, or a line of a watch's stream), or
+    ``EtcdProtocolError`` naming ``sender`` ("etcd put: http://etcd1:2379") and what it sent
+    instead, so that another server on the port is told apart from etcd."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise EtcdProtocolError(f"{sender} sent {what} that is not JSON: {raw[:200]!r}") from None
+    if not isinstance(doc, dict):
+        raise EtcdProtocolError(f"{sender} sent JSON that is not an object: {raw[:200]!r}")
+    return doc
 
 
 def _int(doc: Mapping[str, Any], field: str, where: str) -> int:
