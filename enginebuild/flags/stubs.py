@@ -48,6 +48,14 @@ REAL = frozenset(
 ALIASES = {"regex": "re"}
 
 
+def _stub_attribute(name: str) -> Any:
+    """Any attribute of a stub (an instance, the class, a module) is the stub, except the dunder
+    names: Python's own protocols (copy, pickle, ``__wrapped__`` probes) must see them absent."""
+    if name.startswith("__") and name.endswith("__"):
+        raise AttributeError(name)
+    return Stub
+
+
 class _Base:
     """What a class deriving from a stub inherits: accepts any keyword at subclassing (msgspec's
     ``Struct, omit_defaults=True``), any constructor arguments, and answers every attribute."""
@@ -59,18 +67,14 @@ class _Base:
         pass
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return Stub
+        return _stub_attribute(name)
 
 
 class _StubMeta(abc.ABCMeta):
     """Makes the class ``Stub`` itself behave as any value a stubbed module could hand out."""
 
     def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return Stub
+        return _stub_attribute(name)
 
     def __getitem__(cls, item: Any) -> Any:
         return Stub
@@ -163,9 +167,7 @@ def is_stub(value: Any) -> bool:
 
 class _StubModule(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return Stub
+        return _stub_attribute(name)
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
