@@ -23,24 +23,27 @@ NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NODE_ID_RULE = SHARD_ID_RULE
 
 
+def _id_problem(field: str, value: str, pattern: re.Pattern[str], rule: str, *, counted: bool) -> str:
+    """Why ``value`` is not a valid ``field``, naming it escaped and cut at 64 characters (with
+    its length when ``counted``: a node id arrives from an unauthenticated peer, and a long one is
+    shown cut); empty when it is valid."""
+    if not value:
+        return f"{field} is empty; it must be {rule}"
+    if pattern.fullmatch(value) is None:
+        shown = value if len(value) <= 64 else value[:64] + "..."
+        length = f" ({len(value)} characters)" if counted else ""
+        return f"{field} {shown!r}{length} is not valid; it must be {rule}"
+    return ""
+
+
 def node_id_problem(node_id: str) -> str:
     """Why ``node_id`` is not a valid node id, in words naming it (escaped); empty when it is valid."""
-    if not node_id:
-        return "node_id is empty; it must be " + NODE_ID_RULE
-    if NODE_ID.fullmatch(node_id) is None:
-        shown = node_id if len(node_id) <= 64 else node_id[:64] + "..."
-        return f"node_id {shown!r} ({len(node_id)} characters) is not valid; it must be {NODE_ID_RULE}"
-    return ""
+    return _id_problem("node_id", node_id, NODE_ID, NODE_ID_RULE, counted=True)
 
 
 def shard_id_problem(shard_id: str) -> str:
     """Why ``shard_id`` is not a valid shard id, in words naming it; empty when it is valid."""
-    if not shard_id:
-        return "shard_id is empty; it must be " + SHARD_ID_RULE
-    if SHARD_ID.fullmatch(shard_id) is None:
-        shown = shard_id if len(shard_id) <= 64 else shard_id[:64] + "..."
-        return f"shard_id {shown!r} is not valid; it must be {SHARD_ID_RULE}"
-    return ""
+    return _id_problem("shard_id", shard_id, SHARD_ID, SHARD_ID_RULE, counted=False)
 
 
 __all__ = ["NODE_ID", "NODE_ID_RULE", "SHARD_ID", "SHARD_ID_RULE", "node_id_problem", "shard_id_problem"]
