@@ -158,39 +158,38 @@ def _decode_spec(text: str) -> schema.StartShard | None:
         return None
 
 
-def find_engines(owner: str, proc: Path = PROC) -> list[MarkedEngine]:
-    """Every running process-group leader whose environment names ``owner`` as its agent."""
-    found = []
+def _marked(owner: str, proc: Path, pgid: int | None) -> Iterator[tuple[ProcStat, dict[str, str]]]:
+    """Running processes that carry ``owner``'s marker, with their environment: the leaders of
+    their own groups (``pgid`` None) or the members of group ``pgid``. The group is checked from
+    ``stat`` first, so only the environments of candidates are read."""
     for pid in _pids(proc):
         stat = read_stat(pid, proc)
-        if stat is None or not stat.running or stat.pgid != pid:
+        if stat is None or not stat.running or stat.pgid != (pid if pgid is None else pgid):
             continue
         env = read_environ(pid, proc)
-        if env is None or env.get(MARK_OWNER) != owner or MARK_SHARD not in env:
-            continue
-        found.append(
-            MarkedEngine(
-                pid=pid,
-                start_time=stat.start_time,
-                shard_id=env[MARK_SHARD],
-                spec=_decode_spec(env.get(MARK_SPEC, "")),
-            )
+        if env is not None and env.get(MARK_OWNER) == owner:
+            yield stat, env
+
+
+def find_engines(owner: str, proc: Path = PROC) -> list[MarkedEngine]:
+    """Every running process-group leader whose environment names ``owner`` as its agent."""
+    found = [
+        MarkedEngine(
+            pid=stat.pid,
+            start_time=stat.start_time,
+            shard_id=env[MARK_SHARD],
+            spec=_decode_spec(env.get(MARK_SPEC, "")),
         )
+        for stat, env in _marked(owner, proc, None)
+        if MARK_SHARD in env
+    ]
     return sorted(found, key=lambda e: (e.shard_id, e.start_time, e.pid))
 
 
 def marked_members(pgid: int, owner: str, shard_id: str, proc: Path = PROC) -> list[ProcStat]:
     """Running processes of group ``pgid`` that carry ``owner``'s marker for ``shard_id``: the
     engine's own processes, whoever their parent is now."""
-    members = []
-    for pid in _pids(proc):
-        stat = read_stat(pid, proc)
-        if stat is None or not stat.running or stat.pgid != pgid:
-            continue
-        env = read_environ(pid, proc)
-        if env is not None and env.get(MARK_OWNER) == owner and env.get(MARK_SHARD) == shard_id:
-            members.append(stat)
-    return members
+    return [stat for stat, env in _marked(owner, proc, pgid) if env.get(MARK_SHARD) == shard_id]
 
 
 # -- listening sockets ---------------------------------------------------------------------------
