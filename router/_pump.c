@@ -979,6 +979,28 @@ static int check_fds(int up_fd, int client_fd) {
     return 0;
 }
 
+/* A job at a scanner state handed over from Python (a response the Python relay began, or the
+   differential test's input), checked before it is trusted: a state up to last, a line only in the
+   states that read one. NULL with the exception set. */
+static job_t *scanner_job(int state, int last, unsigned long long remaining, const char *line,
+                          Py_ssize_t line_len) {
+    if (state < S_SIZE || state > last || line_len > MAX_CHUNK_LINE ||
+        (line_len && state != S_SIZE && state != S_TRAILER)) {
+        PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
+        return NULL;
+    }
+    job_t *j = calloc(1, sizeof *j);
+    if (!j) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    j->state = state;
+    j->remaining = remaining;
+    memcpy(j->line, line, (size_t)line_len);
+    j->line_len = (size_t)line_len;
+    return j;
+}
+
 static PyObject *Pump_add(Pump *p, PyObject *args) {
     int up_fd, client_fd, state, want_tail = 0;
     unsigned long long remaining;
@@ -989,19 +1011,10 @@ static PyObject *Pump_add(Pump *p, PyObject *args) {
                           &want_tail))
         return NULL;
     if (check_fds(up_fd, client_fd) < 0) return NULL;
-    if (state < S_SIZE || state > S_TRAILER || line_len > MAX_CHUNK_LINE ||
-        (line_len && state != S_SIZE && state != S_TRAILER)) {
-        PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
-        return NULL;
-    }
-    job_t *j = calloc(1, sizeof *j);
-    if (!j) return PyErr_NoMemory();
+    job_t *j = scanner_job(state, S_TRAILER, remaining, line, line_len);
+    if (!j) return NULL;
     j->up_fd = up_fd;
     j->client_fd = client_fd;
-    j->state = state;
-    j->remaining = remaining;
-    memcpy(j->line, line, (size_t)line_len);
-    j->line_len = (size_t)line_len;
     j->facts.last_at = since > 0 ? since : 0; /* the body's events before this job: gaps go on from it */
     j->facts.want_tail = want_tail;
     return start_job(p, j);
@@ -1243,17 +1256,8 @@ static PyObject *module_scan_chunked(PyObject *Py_UNUSED(m), PyObject *args) {
     const char *line, *data;
     Py_ssize_t line_len, n;
     if (!PyArg_ParseTuple(args, "iKy#y#", &state, &remaining, &line, &line_len, &data, &n)) return NULL;
-    if (state < S_SIZE || state > S_DONE || line_len > MAX_CHUNK_LINE ||
-        (line_len && state != S_SIZE && state != S_TRAILER)) {
-        PyErr_Format(PyExc_ValueError, "bad scanner state %d (line of %zd bytes)", state, line_len);
-        return NULL;
-    }
-    job_t *j = calloc(1, sizeof *j);
-    if (!j) return PyErr_NoMemory();
-    j->state = state;
-    j->remaining = remaining;
-    memcpy(j->line, line, (size_t)line_len);
-    j->line_len = (size_t)line_len;
+    job_t *j = scanner_job(state, S_DONE, remaining, line, line_len);
+    if (!j) return NULL;
     char err[120] = "";
     ssize_t used;
     Py_BEGIN_ALLOW_THREADS
