@@ -489,12 +489,18 @@ static void observe(Pump *p, job_t *j, uint64_t before, const char *data, size_t
     }
 }
 
-static void readable(Pump *p, job_t *j, char *buf) {
+/* One read from the engine (EINTR retried, reads counted); errno is the read's on -1. */
+static ssize_t receive_up(Pump *p, job_t *j, char *buf) {
     ssize_t r;
     do {
         r = recv(j->up_fd, buf, RECEIVE_SIZE, MSG_DONTWAIT);
     } while (r < 0 && errno == EINTR);
     if (r > 0) p->reads++;
+    return r;
+}
+
+static void readable(Pump *p, job_t *j, char *buf) {
+    ssize_t r = receive_up(p, j, buf);
     if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         finish_errno(p, j, R_ENGINE, errno);
@@ -645,11 +651,7 @@ other:
 /* A response job's head phase: collect the engine's head; relay it if client_head takes it, with
  * the body bytes that came along, and go on as a body job; otherwise hand it to the router. */
 static void head_readable(Pump *p, job_t *j, char *buf) {
-    ssize_t r;
-    do {
-        r = recv(j->up_fd, buf, RECEIVE_SIZE, MSG_DONTWAIT);
-    } while (r < 0 && errno == EINTR);
-    if (r > 0) p->reads++;
+    ssize_t r = receive_up(p, j, buf);
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (r <= 0) {
         int e = r < 0 ? errno : 0;
