@@ -648,6 +648,15 @@ other:
     return NULL;
 }
 
+/* Give the engine's head, as received, back to the router (R_HEAD), which answers for it. */
+static void hand_head_back(Pump *p, job_t *j) {
+    result_t *res = push_result(p, j->up_fd, R_HEAD, 0, "");
+    res->data = j->head;
+    res->data_len = j->head_len;
+    j->head = NULL;
+    drop(p, j);
+}
+
 /* A response job's head phase: collect the engine's head; relay it if client_head takes it, with
  * the body bytes that came along, and go on as a body job; otherwise hand it to the router. */
 static void head_readable(Pump *p, job_t *j, char *buf) {
@@ -676,11 +685,7 @@ static void head_readable(Pump *p, job_t *j, char *buf) {
     char *out = end ? client_head(h, (size_t)(end - h), j->suffix, j->suffix_len, &out_len, &keep) : NULL;
     if (!out) {
         if (!end && j->head_len <= MAX_HEAD_BYTES) return; /* more to come */
-        result_t *res = push_result(p, j->up_fd, R_HEAD, 0, "");
-        res->data = j->head;
-        res->data_len = j->head_len;
-        j->head = NULL;
-        drop(p, j);
+        hand_head_back(p, j);
         return;
     }
     const char *body = end + 4;
@@ -689,11 +694,7 @@ static void head_readable(Pump *p, job_t *j, char *buf) {
     ssize_t used = body_len ? scan(j, body, body_len, err, sizeof err) : 0;
     if (used < 0) { /* nothing sent yet: the router answers for a malformed body (a 502) */
         free(out);
-        result_t *res = push_result(p, j->up_fd, R_HEAD, 0, "");
-        res->data = j->head;
-        res->data_len = j->head_len;
-        j->head = NULL;
-        drop(p, j);
+        hand_head_back(p, j);
         return;
     }
     if ((size_t)used < body_len || !keep) j->extra = 1;
