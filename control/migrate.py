@@ -33,6 +33,7 @@ from control.statestore import (
     SHARD_KEY_SECRET_KEY,
     EtcdStore,
     doc_keys,
+    etcd_config,
     keys_doc,
     prefix_is_empty,
 )
@@ -52,17 +53,10 @@ def _etcd_config(config: ControlConfig) -> EtcdConfig:
             "[state] backend is 'file': set backend = 'etcd' with its endpoints (and prefix) in the "
             "config, so that migrate-state knows where etcd is"
         )
-    if problem := state.password_problem(os.environ):
-        raise MigrateError(problem)
-    password = state.password_from(os.environ)
-    return EtcdConfig(
-        endpoints=state.endpoints,
-        ca=state.ca,
-        cert=state.cert,
-        key=state.key,
-        user=state.user or None,
-        password=password or None,
-    )
+    try:
+        return etcd_config(state, os.environ)
+    except ValueError as exc:
+        raise MigrateError(str(exc)) from None
 
 
 def _read_file_side(state_dir: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:

@@ -45,7 +45,7 @@ from control.agentsvc import AgentService
 from control.api import serve_api
 from control.catalog import Action, Catalog, Change
 from control.config import ControlConfig, Listen, ModelConfig
-from control.etcd import EtcdClient, EtcdConfig, EtcdError, EtcdLeaseLost, LeaseKeeper, connect
+from control.etcd import EtcdClient, EtcdError, EtcdLeaseLost, LeaseKeeper, connect
 from control.events import Event, EventLog, Kind
 from control.fleet import LIVE_SHARD_STATES, Cordon, Fleet, Node, NodeState, Transition
 from control.fleetmetrics import FleetMetrics
@@ -77,7 +77,7 @@ from control.rollout import (
 from control.routetable import route_table
 from control.routewatch import RouteWatch
 from control.state import STATE_FILE, SavedState, StateFileError, StateSaver, read_state, set_aside
-from control.statestore import SHARD_KEY_SECRET_KEY, EtcdStore, NotLeader
+from control.statestore import SHARD_KEY_SECRET_KEY, EtcdStore, NotLeader, etcd_config
 from router.routes import ModelRoutes
 from transport import ServerLimits, StreamServer
 
@@ -846,20 +846,10 @@ class ControlPlane:
         state and serve as the file backend does, every write fenced; stop (``SteppedDown``) when
         the lease is lost or a write is refused."""
         state = self.config.state
-        password = state.password_from(os.environ)
-        if problem := state.password_problem(os.environ):
-            raise ValueError(problem)
-        if password and state.insecure_password:
+        etcd = etcd_config(state, os.environ)
+        if etcd.password and state.insecure_password:
             log.warning("[state] insecure_password = true: the etcd password crosses the network in clear")
-        etcd_config = EtcdConfig(
-            endpoints=state.endpoints,
-            ca=state.ca,
-            cert=state.cert,
-            key=state.key,
-            user=state.user or None,
-            password=password or None,
-        )
-        async with connect(etcd_config) as client, trio.open_nursery() as nursery:
+        async with connect(etcd) as client, trio.open_nursery() as nursery:
             keeper = await client.keeper(state.lease_ttl)
             nursery.start_soon(self._keep_lease, keeper)
             try:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from control.etcd import Compare, Delete, EtcdClient, Put
+from control.etcd import Compare, Delete, EtcdClient, EtcdConfig, Put
 from control.state import SavedState, StateFileError, parse_state, read_state, write_state
+
+if TYPE_CHECKING:
+    from control.config import StateConfig
 
 #: The most operations one txn carries (etcd's default ``--max-txn-ops`` is 128).
 TXN_OPS = 100
@@ -36,6 +39,23 @@ JOIN_TOKEN_KEY = "join-token"
 #: control plane on the prefix must derive the same keys, or a new leader's router is refused.
 SHARD_KEY_SECRET_KEY = "shard-key-secret"
 CREDENTIALS = "credentials/"
+
+
+def etcd_config(state: StateConfig, environ: Mapping[str, str]) -> EtcdConfig:
+    """``[state]``'s etcd client settings, the password from ``environ`` first (for the control
+    plane and ``migrate-state`` alike); ``ValueError`` saying why when the password may not be
+    sent (it would cross the network in clear)."""
+    if problem := state.password_problem(environ):
+        raise ValueError(problem)
+    password = state.password_from(environ)
+    return EtcdConfig(
+        endpoints=state.endpoints,
+        ca=state.ca,
+        cert=state.cert,
+        key=state.key,
+        user=state.user or None,
+        password=password or None,
+    )
 
 
 class NotLeader(Exception):
