@@ -133,12 +133,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+#: Libraries that log every request at INFO; quiet below --log-level debug (setup_logging).
+_CHATTY_LIBRARIES = ("httpx", "httpcore")
+
+
 def setup_logging(settings: LogSettings, stream: TextIO | None = None) -> None:
     """Send every logger's records to ``stream`` (stderr) in ``settings``' format and level,
     replacing whatever handlers the root logger had."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if settings.format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=settings.level_number, handlers=[handler], force=True)
+    # httpx writes one INFO line per request: every readiness probe, every engine /metrics scrape on
+    # the heartbeat interval and every etcd lease keepalive would bury what an operator needs. Those
+    # lines are kept for --log-level debug, where a person asked for everything.
+    quiet = logging.WARNING if settings.level_number > logging.DEBUG else logging.NOTSET
+    for name in _CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(quiet)
 
 
 def announce(

@@ -96,3 +96,30 @@ def test_in_text_mode_the_ready_line_is_the_plain_words(tmp_path: Path) -> None:
         )
     finally:
         terminate(router)
+
+
+def test_request_per_line_libraries_are_quiet_unless_debug_is_asked_for() -> None:
+    """httpx logs every request at INFO (probes, /metrics scrapes, etcd keepalives): only
+    ``--log-level debug`` lets those lines through, and its own warnings always pass."""
+    import io
+    import logging
+
+    import httpx
+
+    from telemetry.logs import LogSettings, setup_logging
+
+    def requests_logged(level: str) -> str:
+        out = io.StringIO()
+        setup_logging(LogSettings(level=level), out)
+        transport = httpx.MockTransport(lambda request: httpx.Response(200))
+        with httpx.Client(transport=transport) as client:
+            client.get("http://127.0.0.1:9/metrics")
+        logging.getLogger("httpx").warning("a warning of its own")
+        return out.getvalue()
+
+    try:
+        info = requests_logged("info")
+        assert "HTTP Request" not in info and "a warning of its own" in info, info
+        assert "HTTP Request: GET http://127.0.0.1:9/metrics" in requests_logged("debug")
+    finally:
+        setup_logging(LogSettings())
